@@ -1,0 +1,88 @@
+//! The thread-local text of the last failure, and the error type the ABI plumbing carries.
+
+use std::cell::RefCell;
+use std::ffi::c_char;
+
+use super::status::{self, FSDPTURBO_OK};
+use crate::error::Error;
+
+thread_local! {
+    /// cbindgen:ignore
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// A failure on its way out of the ABI: the status to return and the message to record.
+#[derive(Debug)]
+pub struct FfiError {
+    pub status: i32,
+    pub message: String,
+}
+
+impl FfiError {
+    pub fn new(status: i32, message: impl Into<String>) -> Self {
+        FfiError { status, message: message.into() }
+    }
+}
+
+impl From<Error> for FfiError {
+    fn from(err: Error) -> Self {
+        FfiError { status: status::status_of(err.kind), message: err.message }
+    }
+}
+
+pub(crate) fn set_last_error(message: &str) {
+    LAST_ERROR.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        slot.clear();
+        slot.push_str(message);
+    });
+}
+
+pub(crate) fn clear_last_error() {
+    LAST_ERROR.with(|slot| slot.borrow_mut().clear());
+}
+
+/// Copies the message of the last failure on this thread into `buf` (NUL-terminated,
+/// truncated to `len - 1` bytes) and returns the full message length in bytes, without the
+/// NUL. Returns 0 when the last call on this thread succeeded. `buf` may be NULL when
+/// `len` is 0, to ask for the length alone.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_last_error(buf: *mut c_char, len: usize) -> usize {
+    let copied = std::panic::catch_unwind(|| {
+        LAST_ERROR.with(|slot| {
+            let message = slot.borrow();
+            if !buf.is_null() && len > 0 {
+                let n = message.len().min(len - 1);
+                // SAFETY: the caller guarantees `buf` holds `len` bytes; we write n + 1 <= len.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(message.as_ptr(), buf.cast::<u8>(), n);
+                    *buf.add(n) = 0;
+                }
+            }
+            message.len()
+        })
+    });
+    copied.unwrap_or(0)
+}
+
+/// The name of a status code, e.g. "FSDPTURBO_ERR_CONFIG"; "FSDPTURBO_UNKNOWN_STATUS" for
+/// integers that are not a status. The string is static.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_status_name(status: i32) -> *const c_char {
+    let name: &'static [u8] = match status {
+        FSDPTURBO_OK => b"FSDPTURBO_OK\0",
+        status::FSDPTURBO_ERR_NULL_ARGUMENT => b"FSDPTURBO_ERR_NULL_ARGUMENT\0",
+        status::FSDPTURBO_ERR_INVALID_ARGUMENT => b"FSDPTURBO_ERR_INVALID_ARGUMENT\0",
+        status::FSDPTURBO_ERR_CONFIG => b"FSDPTURBO_ERR_CONFIG\0",
+        status::FSDPTURBO_ERR_TOPOLOGY => b"FSDPTURBO_ERR_TOPOLOGY\0",
+        status::FSDPTURBO_ERR_PLAN => b"FSDPTURBO_ERR_PLAN\0",
+        status::FSDPTURBO_ERR_STATE => b"FSDPTURBO_ERR_STATE\0",
+        status::FSDPTURBO_ERR_BUFFER_TOO_SMALL => b"FSDPTURBO_ERR_BUFFER_TOO_SMALL\0",
+        status::FSDPTURBO_ERR_UNAVAILABLE => b"FSDPTURBO_ERR_UNAVAILABLE\0",
+        status::FSDPTURBO_ERR_STRUCT_SIZE => b"FSDPTURBO_ERR_STRUCT_SIZE\0",
+        status::FSDPTURBO_ERR_UTF8 => b"FSDPTURBO_ERR_UTF8\0",
+        status::FSDPTURBO_ERR_PANIC => b"FSDPTURBO_ERR_PANIC\0",
+        _ => b"FSDPTURBO_UNKNOWN_STATUS\0",
+    };
+    name.as_ptr().cast()
+}

@@ -1,0 +1,16 @@
+//! libfsdpturbo: the expert-parallel (EP) and expert-sharded-FSDP (EFSDP) engine for
+//! Mixture-of-Experts training. Module map only; see DESIGN.md §2 for the layers.
+
+// Pure core: no I/O, no devices, no globals.
+pub mod config;
+pub mod error;
+pub mod pattern;
+pub mod plan;
+pub mod spec;
+pub mod topology;
+
+// Runtime.
+pub mod state;
+
+// The C ABI.
+pub mod ffi;

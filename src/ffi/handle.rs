@@ -53,12 +53,12 @@ pub(crate) fn arg_slice<'a, T>(ptr: *const T, len: usize, name: &str) -> Result<
 }
 
 /// An array of `len` C strings.
-pub(crate) fn arg_strs<'a>(ptr: *const *const c_char, len: usize, name: &str) -> Result<Vec<&'a str>, FfiError> {
-    arg_slice(ptr, len, name)?
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| arg_str(s, &format!("{name}[{i}]")))
-        .collect()
+pub(crate) fn arg_strs<'a>(
+    ptr: *const *const c_char,
+    len: usize,
+    name: &str,
+) -> Result<Vec<&'a str>, FfiError> {
+    arg_slice(ptr, len, name)?.iter().enumerate().map(|(i, &s)| arg_str(s, &format!("{name}[{i}]"))).collect()
 }
 
 /// Stores `value` through a non-NULL out-pointer.

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up everything the project needs on a fresh Debian machine and builds it:
+# cmake + ninja (apt, only if missing), a Python venv with the pinned requirements,
+# the Rust library (cargo) and the CMake tree (C tests, and the torch op library when present).
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+command -v ninja >/dev/null || need+=(ninja-build)
+if ((${#need[@]})); then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+fi
+command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
+cmake --build build -j2

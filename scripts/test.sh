@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets everything up (scripts/setup.sh) and runs the whole regression suite: format and lint
+# checks, the header drift check, then ctest (C tests, cargo test, Python tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 CARGO_TERM_COLOR=never HF_HUB_OFFLINE=1
+
+scripts/setup.sh
+cargo fmt --check
+cargo clippy --release --all-targets --locked -- -D warnings
+# build.rs regenerates the header; the committed copy must be the generated one.
+git diff --exit-code -- include/ || { echo "include/fsdpturbo.h is stale: commit the regenerated header" >&2; exit 1; }
+timeout 3000 ctest --test-dir build --output-on-failure

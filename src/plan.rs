@@ -1,1 +1,371 @@
-//! (in progress)
+//! Plan resolution: from a model's module tree, its spec, the FSDPTurbo config and the
+//! topology, decide which modules are experts (EP) and expert-FSDP units (EFSDP), which
+//! parameters the outer FSDP2 ignores, which experts each rank owns, how every parameter is
+//! laid out, the gradient divide factor, and the bytes each rank holds.
+
+use crate::config::DistConfig;
+use crate::error::{Error, ErrorKind, Result};
+use crate::pattern::PatternSet;
+use crate::spec::{ModelSpec, ModelTree, ParamInfo};
+use crate::topology::Topology;
+
+/// Everything plan resolution reads.
+pub struct PlanInput<'a> {
+    pub tree: &'a ModelTree,
+    pub spec: &'a ModelSpec,
+    pub dist: &'a DistConfig,
+    pub topology: &'a Topology,
+    /// Storage dtype: bf16 (2 bytes) when set, else f32 (4 bytes).
+    pub bf16: bool,
+}
+
+/// Who owns a parameter and how it is sharded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamRole {
+    /// An expert weight: `Shard(0)` over ep, then (efsdp > 1) `Shard(1)` (≥ 2-D) or
+    /// `Shard(0)` (1-D) over efsdp; ignored by the outer FSDP2.
+    Expert,
+    /// A non-expert parameter inside an EFSDP unit (router, shared expert): sharded over
+    /// efsdp like an expert weight, but not over ep.
+    ExpertFsdp,
+    /// Listed in `fsdp_ignored_modules`: kept whole on every rank.
+    Ignored,
+    /// Everything else: the outer FSDP2, `Shard(0)` over dp.
+    Dense,
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ParamPlan {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub role: ParamRole,
+}
+
+/// An EP module and its expert counts.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ExpertModule {
+    pub name: String,
+    pub num_global_experts: u64,
+    pub num_local_experts: u64,
+}
+
+/// The rank-independent plan.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Plan {
+    pub ep_modules: Vec<ExpertModule>,
+    pub efsdp_modules: Vec<String>,
+    pub hook_modules: Vec<String>,
+    /// Parameters the outer FSDP2 must not manage (EP parameters and fsdp_ignored_modules).
+    pub ignored_params: Vec<String>,
+    pub params: Vec<ParamPlan>,
+    /// What every gradient is divided by after its reduction: the world size, since each
+    /// rank's loss is the mean over its own tokens (DESIGN §4.1).
+    pub gradient_divide_factor: f64,
+    /// The seed's factor (ep × efsdp, applied only when efsdp > 1), for comparison.
+    pub seed_gradient_divide_factor: Option<f64>,
+    pub warnings: Vec<String>,
+}
+
+/// What one rank holds.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RankPlan {
+    pub rank: u64,
+    /// This rank's coordinate on the ep mesh dim (0 without EP).
+    pub ep_rank: u64,
+    pub local_expert_indices: Vec<u64>,
+    /// For each global expert, its index among its owner's local experts (`e % L`).
+    pub expert_ids_per_ep_rank: Vec<u64>,
+    pub memory: Memory,
+}
+
+/// Bytes held by one rank under EP × EFSDP × outer FSDP2 (storage dtype for parameters and
+/// gradients; AdamW's two moments in the parameter dtype, as torch keeps them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Memory {
+    pub param_elements: u64,
+    pub param_bytes: u64,
+    pub grad_bytes: u64,
+    pub optimizer_bytes: u64,
+    pub total_bytes: u64,
+}
+
+fn plan_error(message: String) -> Error {
+    Error::new(ErrorKind::Plan, message)
+}
+
+/// A Python list repr of strings, as the seed's error texts print them.
+fn py_list(items: &[String]) -> String {
+    let quoted: Vec<String> = items.iter().map(|s| format!("'{s}'")).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+fn compile(patterns: &[String], source: &str) -> Result<PatternSet> {
+    PatternSet::compile(patterns).map_err(|e| plan_error(format!("{source}: {}", e.message)))
+}
+
+/// Modules matched by `patterns`, pattern-major then in module order (the seed's loop),
+/// without the seed's duplicates; a module matched twice is reported in `warnings`.
+fn match_modules(tree: &ModelTree, patterns: &PatternSet, warnings: &mut Vec<String>) -> Vec<String> {
+    let mut matched: Vec<String> = Vec::new();
+    for pattern in patterns.patterns() {
+        for module in tree.modules.iter().filter(|m| pattern.is_match(m)) {
+            if matched.contains(module) {
+                warnings.push(format!(
+                    "module {module} is matched by more than one pattern; it is processed once \
+                     (the seed would process it twice)"
+                ));
+            } else {
+                matched.push(module.clone());
+            }
+        }
+    }
+    matched
+}
+
+/// Parameters directly owned by `module` (not by its children).
+fn direct_params<'t>(tree: &'t ModelTree, module: &str) -> impl Iterator<Item = &'t ParamInfo> {
+    tree.params.iter().filter(move |p| {
+        p.name.strip_prefix(module).and_then(|rest| rest.strip_prefix('.')).is_some_and(|leaf| !leaf.contains('.'))
+    })
+}
+
+fn within(module: &str, param: &str) -> bool {
+    module.is_empty() || param.strip_prefix(module).is_some_and(|rest| rest.starts_with('.'))
+}
+
+fn expert_module(tree: &ModelTree, name: &str, ep: u64) -> Result<ExpertModule> {
+    let mut experts = None;
+    for param in direct_params(tree, name) {
+        let Some(&first) = param.shape.first() else {
+            return Err(plan_error(format!(
+                "[Expert Parallel] expert parameter {} is a scalar; expert parameters are [E, ...]",
+                param.name
+            )));
+        };
+        match experts {
+            None => experts = Some(first),
+            Some(e) if e != first => {
+                return Err(plan_error(format!(
+                    "[Expert Parallel] the parameters of {name} disagree on the number of experts: \
+                     {} has {first} rows, another has {e}",
+                    param.name
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    let num_global_experts = experts.ok_or_else(|| {
+        plan_error(format!(
+            "[Expert Parallel] module {name} matches an EP pattern but holds no expert parameters \
+             (expected fused [E, ...] weights such as gate_up_proj and down_proj)"
+        ))
+    })?;
+    if num_global_experts % ep != 0 {
+        return Err(plan_error(format!(
+            "Number of experts({num_global_experts}) is not divisible by ep size({ep})."
+        )));
+    }
+    Ok(ExpertModule { name: name.to_string(), num_global_experts, num_local_experts: num_global_experts / ep })
+}
+
+/// Module names in post-order (children before parents, root last), as the seed's hook search.
+fn post_order(modules: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(modules.len());
+    let mut open: Vec<&String> = Vec::new();
+    for module in modules {
+        while let Some(top) = open.last() {
+            if within(top, module) {
+                break;
+            }
+            out.push(open.pop().expect("non-empty").clone());
+        }
+        open.push(module);
+    }
+    out.extend(open.into_iter().rev().cloned());
+    out
+}
+
+/// Resolves the plan. Errors carry the seed's texts where it has them.
+pub fn resolve(input: &PlanInput) -> Result<Plan> {
+    let PlanInput { tree, spec, dist, topology, .. } = *input;
+    let ep = topology.ep_size;
+    let efsdp = topology.efsdp_size;
+    let mut warnings = Vec::new();
+
+    let mut ep_modules = Vec::new();
+    let mut efsdp_modules = Vec::new();
+    let mut hook_modules = Vec::new();
+    if ep > 1 {
+        let ep_patterns = compile(&spec.ep_modules, &format!("model spec {}.ep_modules", spec.model_type))?;
+        let names = match_modules(tree, &ep_patterns, &mut warnings);
+        if names.is_empty() {
+            return Err(plan_error(format!(
+                "[Expert Parallel] No module named {} or not be ModuleList (model type {})",
+                py_list(&spec.ep_modules),
+                spec.model_type
+            )));
+        }
+        ep_modules = names.iter().map(|name| expert_module(tree, name, ep)).collect::<Result<_>>()?;
+
+        if efsdp > 1 {
+            let efsdp_patterns = spec.efsdp_modules();
+            let compiled = compile(&efsdp_patterns, &format!("model spec {}.ep_fsdp_modules", spec.model_type))?;
+            efsdp_modules = match_modules(tree, &compiled, &mut warnings);
+            if efsdp_modules.is_empty() {
+                return Err(plan_error(format!(
+                    "[Expert Fully Shard] No module named {} or not be ModuleList (model type {})",
+                    py_list(&efsdp_patterns),
+                    spec.model_type
+                )));
+            }
+            if !dist.hook_modules.is_empty() {
+                let hooks = compile(&dist.hook_modules, "dist_config.hook_modules")?;
+                hook_modules = post_order(&tree.modules).into_iter().filter(|m| hooks.is_match(m)).collect();
+                if hook_modules.is_empty() {
+                    return Err(plan_error(format!("[FSDP2] No module named {}.", py_list(&dist.hook_modules))));
+                }
+            }
+        }
+    }
+
+    let user_ignored = compile(&dist.fsdp_ignored_modules, "dist_config.fsdp_ignored_modules")?;
+    for pattern in user_ignored.patterns() {
+        if !tree.modules.iter().any(|m| pattern.is_match(m)) {
+            warnings.push(format!(
+                "dist_config.fsdp_ignored_modules pattern {:?} matches no module",
+                pattern.as_str()
+            ));
+        }
+    }
+    let ignored_modules: Vec<&String> = tree.modules.iter().filter(|m| user_ignored.is_match(m)).collect();
+
+    let mut params = Vec::with_capacity(tree.params.len());
+    let mut ignored_params = Vec::new();
+    for param in &tree.params {
+        let role = if ep_modules.iter().any(|m| within(&m.name, &param.name)) {
+            ParamRole::Expert
+        } else if ignored_modules.iter().any(|m| within(m, &param.name)) {
+            ParamRole::Ignored
+        } else if efsdp_modules.iter().any(|m| within(m, &param.name)) {
+            ParamRole::ExpertFsdp
+        } else {
+            ParamRole::Dense
+        };
+        if matches!(role, ParamRole::Expert | ParamRole::Ignored) {
+            ignored_params.push(param.name.clone());
+        }
+        params.push(ParamPlan { name: param.name.clone(), shape: param.shape.clone(), role });
+    }
+
+    Ok(Plan {
+        ep_modules,
+        efsdp_modules,
+        hook_modules,
+        ignored_params,
+        params,
+        gradient_divide_factor: topology.world_size as f64,
+        seed_gradient_divide_factor: (ep > 1 && efsdp > 1).then(|| (ep * efsdp) as f64),
+        warnings,
+    })
+}
+
+/// Length of chunk `index` when `n` rows are split into `parts` like `torch.chunk` and
+/// DTensor (ceil-sized chunks; trailing chunks may be short or empty).
+pub(crate) fn chunk_len(n: u64, parts: u64, index: u64) -> u64 {
+    let size = n.div_ceil(parts.max(1));
+    n.saturating_sub(size * index).min(size)
+}
+
+/// The local shape of a parameter on the rank at `coord` (mesh coordinates by dim name).
+fn local_shape(param: &ParamPlan, topology: &Topology, coord: &Coordinates) -> Vec<u64> {
+    let mut shape = param.shape.clone();
+    if shape.is_empty() {
+        return shape;
+    }
+    let fsdp_dim = if shape.len() >= 2 { 1 } else { 0 };
+    match param.role {
+        ParamRole::Expert => {
+            shape[0] = chunk_len(shape[0], topology.ep_size, coord.ep);
+            if topology.efsdp_size > 1 {
+                shape[fsdp_dim] = chunk_len(shape[fsdp_dim], topology.efsdp_size, coord.efsdp);
+            }
+        }
+        ParamRole::ExpertFsdp => {
+            shape[fsdp_dim] = chunk_len(shape[fsdp_dim], topology.efsdp_size, coord.efsdp);
+        }
+        ParamRole::Ignored => {}
+        ParamRole::Dense => shape[0] = chunk_len(shape[0], topology.dp_size, coord.dp),
+    }
+    shape
+}
+
+struct Coordinates {
+    dp: u64,
+    ep: u64,
+    efsdp: u64,
+}
+
+fn coordinates(topology: &Topology, rank: u64) -> Result<Coordinates> {
+    let data = topology.data_mesh().coordinate(rank)?;
+    let (ep, efsdp) = match topology.expert_mesh() {
+        Some(mesh) => {
+            let c = mesh.coordinate(rank)?;
+            (c[mesh.dim_index("ep")?], c[mesh.dim_index("efsdp")?])
+        }
+        None => (0, 0),
+    };
+    Ok(Coordinates { dp: data[0], ep, efsdp })
+}
+
+/// What `rank` holds under `plan`.
+pub fn rank_plan(plan: &Plan, topology: &Topology, bf16: bool, rank: u64) -> Result<RankPlan> {
+    let coord = coordinates(topology, rank)?;
+    let (local_expert_indices, expert_ids_per_ep_rank) = match plan.ep_modules.first() {
+        Some(m) => {
+            let local = m.num_local_experts;
+            (
+                (coord.ep * local..(coord.ep + 1) * local).collect(),
+                (0..m.num_global_experts).map(|e| e % local).collect(),
+            )
+        }
+        None => (Vec::new(), Vec::new()),
+    };
+    let element_bytes = if bf16 { 2 } else { 4 };
+    let param_elements: u64 =
+        plan.params.iter().map(|p| local_shape(p, topology, &coord).iter().product::<u64>()).sum();
+    let param_bytes = param_elements * element_bytes;
+    let memory = Memory {
+        param_elements,
+        param_bytes,
+        grad_bytes: param_bytes,
+        optimizer_bytes: 2 * param_bytes,
+        total_bytes: 4 * param_bytes,
+    };
+    Ok(RankPlan { rank, ep_rank: coord.ep, local_expert_indices, expert_ids_per_ep_rank, memory })
+}
+
+/// Each EP rank's expert range `[start, end)` for the first EP module (all EP modules of the
+/// built-in families have the same count).
+pub fn expert_owners(plan: &Plan, topology: &Topology) -> Vec<(u64, u64)> {
+    match plan.ep_modules.first() {
+        Some(m) => {
+            (0..topology.ep_size).map(|j| (j * m.num_local_experts, (j + 1) * m.num_local_experts)).collect()
+        }
+        None => Vec::new(),
+    }
+}
+
+/// The topology a training config asks for on `world_size` ranks.
+pub fn topology_spec(config: &crate::config::TrainConfig, world_size: u64) -> crate::topology::TopologySpec {
+    let dist = config.dist.clone().unwrap_or_default();
+    crate::topology::TopologySpec {
+        world_size,
+        dp_size: config.dp_size,
+        cp_size: config.cp_size,
+        mp_replicate_size: config.mp_replicate_size,
+        mp_shard_size: config.mp_shard_size,
+        ep_size: dist.ep_size,
+        efsdp_size: dist.efsdp_size,
+    }
+}

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod error;
 pub mod pattern;
+pub mod placement;
 pub mod plan;
 pub mod spec;
 pub mod topology;

@@ -9,6 +9,7 @@ pub mod version;
 
 pub mod config;
 pub mod pattern;
+pub mod placement;
 pub mod plan;
 pub mod spec;
 pub mod state;

@@ -4,6 +4,7 @@
 // Pure core: no I/O, no devices, no globals.
 pub mod config;
 pub mod error;
+pub mod norm;
 pub mod pattern;
 pub mod placement;
 pub mod plan;

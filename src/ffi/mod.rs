@@ -8,6 +8,7 @@ pub mod status;
 pub mod version;
 
 pub mod config;
+pub mod norm;
 pub mod pattern;
 pub mod placement;
 pub mod plan;

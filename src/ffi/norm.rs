@@ -1,0 +1,387 @@
+//! C ABI of the gradient norm: placement-aware clipping with the collectives supplied by the
+//! embedder as a callback (for C++ trainers), and the fused host p-power sum of a buffer list.
+
+#![allow(non_camel_case_types)]
+
+use std::cell::Cell;
+use std::ffi::c_void;
+
+use super::error::FfiError;
+use super::handle::{arg_ref, arg_slice, check_struct_size, write_out};
+use super::panic::boundary;
+use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
+use crate::norm::{
+    self, ClipOptions, DimRole, GradLayout, HostBuf, HostBufMut, NormType, clip_grad_norm_with, norm_plan,
+};
+
+/// Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
+pub const FSDPTURBO_REDUCE_SUM: i32 = 0;
+/// Reduction ops passed to fsdpturbo_reduce_fn: the max of the values of the group (p = inf).
+pub const FSDPTURBO_REDUCE_MAX: i32 = 1;
+
+/// Element types of fsdpturbo_grad_t: float.
+pub const FSDPTURBO_DTYPE_F32: i32 = 0;
+/// Element types of fsdpturbo_grad_t: double.
+pub const FSDPTURBO_DTYPE_F64: i32 = 1;
+/// Element types of fsdpturbo_grad_t: IEEE binary16, as uint16_t bit patterns.
+pub const FSDPTURBO_DTYPE_F16: i32 = 2;
+/// Element types of fsdpturbo_grad_t: bfloat16, as uint16_t bit patterns.
+pub const FSDPTURBO_DTYPE_BF16: i32 = 3;
+
+/// Placement of a gradient on one dim of its mesh: Shard (also _StridedShard).
+pub const FSDPTURBO_DIM_SHARD: i32 = 0;
+/// Placement of a gradient on one dim of its mesh: Replicate.
+pub const FSDPTURBO_DIM_REPLICATE: i32 = 1;
+/// Placement of a gradient on one dim of its mesh: Partial (rejected: reduce it first).
+pub const FSDPTURBO_DIM_PARTIAL: i32 = 2;
+
+/// The embedder's collective: reduce `*value` with `op` (FSDPTURBO_REDUCE_SUM or
+/// FSDPTURBO_REDUCE_MAX) over the process group spanned by the `n_dims` mesh-dim ids `dims`
+/// (sorted; the ids are the caller's own) that contains this rank, and store the result in
+/// `*value`. `set_index` numbers the distinct reduction sets in first-seen order over the
+/// gradient list. Return 0 on success; any other value aborts the call with that status.
+pub type fsdpturbo_reduce_fn = Option<
+    unsafe extern "C" fn(
+        user: *mut c_void,
+        set_index: usize,
+        dims: *const u32,
+        n_dims: usize,
+        op: i32,
+        value: *mut f64,
+    ) -> i32,
+>;
+
+/// One gradient of the parameter list shared by all ranks, with its local elements on this
+/// rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
+/// the entry must still be passed so that every rank issues the same collectives).
+/// `dims`/`roles` give, for each of the `n_dims` dims of its DTensor mesh, a mesh-dim id of the
+/// caller's choosing and its FSDPTURBO_DIM_* placement; a plain tensor has `n_dims` 0.
+/// fsdpturbo_clip_grad_norm reads and scales `mut_data` in place (`data` must be NULL or equal
+/// to it); fsdpturbo_local_power_sum reads `data`, or `mut_data` when `data` is NULL. Data must
+/// be aligned for its element type; NULL is accepted only when `numel` is 0.
+#[repr(C)]
+pub struct fsdpturbo_grad_t {
+    pub data: *const c_void,
+    pub mut_data: *mut c_void,
+    pub numel: usize,
+    /// FSDPTURBO_DTYPE_*.
+    pub dtype: i32,
+    pub dims: *const u32,
+    /// FSDPTURBO_DIM_*, one per entry of `dims`.
+    pub roles: *const i32,
+    pub n_dims: usize,
+}
+
+/// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
+#[repr(C)]
+pub struct fsdpturbo_clip_options_t {
+    pub struct_size: usize,
+    /// The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
+    pub max_norm: f64,
+    /// p: finite > 0, or INFINITY for the max norm. Default 2.0.
+    pub norm_type: f64,
+    /// Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
+    /// when the total norm is nan or inf, instead of returning it. Default false.
+    pub error_if_nonfinite: bool,
+    /// Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
+    pub accumulate_f64: bool,
+}
+
+const CLIP_OPTIONS_V1_SIZE: usize = std::mem::size_of::<fsdpturbo_clip_options_t>();
+
+fn invalid(message: String) -> FfiError {
+    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
+}
+
+/// Reads a `bool` field byte by byte: C can store any byte there, which Rust must not read as
+/// a `bool`.
+fn read_bool(field: *const bool, name: &str) -> Result<bool, FfiError> {
+    // SAFETY: `field` points into a struct the caller guarantees is readable.
+    match unsafe { field.cast::<u8>().read() } {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(invalid(format!("`{name}` holds the byte {other}, not a bool (0 or 1)"))),
+    }
+}
+
+fn clip_options(ptr: *const fsdpturbo_clip_options_t) -> Result<ClipOptions, FfiError> {
+    if ptr.is_null() {
+        return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "argument `options` must not be NULL"));
+    }
+    // SAFETY: non-NULL, and the caller guarantees a readable struct of at least the
+    // `struct_size` it declares, which is checked before any other field is read.
+    let struct_size = unsafe { std::ptr::addr_of!((*ptr).struct_size).read() };
+    check_struct_size(struct_size, CLIP_OPTIONS_V1_SIZE, "fsdpturbo_clip_options_t")?;
+    // SAFETY: as above; the struct is at least the v1 size.
+    let (max_norm, norm_type) =
+        unsafe { (std::ptr::addr_of!((*ptr).max_norm).read(), std::ptr::addr_of!((*ptr).norm_type).read()) };
+    // SAFETY: as above.
+    let error_if_nonfinite =
+        read_bool(unsafe { std::ptr::addr_of!((*ptr).error_if_nonfinite) }, "options.error_if_nonfinite")?;
+    // SAFETY: as above.
+    let accumulate_f64 =
+        read_bool(unsafe { std::ptr::addr_of!((*ptr).accumulate_f64) }, "options.accumulate_f64")?;
+    let norm = NormType::new(norm_type).map_err(|e| invalid(format!("options.norm_type: {}", e.message)))?;
+    if max_norm.is_nan() || max_norm < 0.0 {
+        return Err(invalid(format!(
+            "options.max_norm must be >= 0 (inf disables clipping), got {max_norm:?}"
+        )));
+    }
+    Ok(ClipOptions { norm, max_norm, error_if_nonfinite, accumulate_f64 })
+}
+
+#[derive(Clone, Copy)]
+enum Dtype {
+    F32,
+    F64,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    fn of(code: i32, name: &str) -> Result<Dtype, FfiError> {
+        match code {
+            FSDPTURBO_DTYPE_F32 => Ok(Dtype::F32),
+            FSDPTURBO_DTYPE_F64 => Ok(Dtype::F64),
+            FSDPTURBO_DTYPE_F16 => Ok(Dtype::F16),
+            FSDPTURBO_DTYPE_BF16 => Ok(Dtype::Bf16),
+            other => Err(invalid(format!(
+                "`{name}` is {other}, not an FSDPTURBO_DTYPE_* value (F32=0, F64=1, F16=2, BF16=3)"
+            ))),
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F64 => 8,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Checks that `numel` elements of `dtype` at `ptr` may be viewed as a slice: non-NULL (unless
+/// empty), aligned, and at most isize::MAX bytes. Returns the byte length.
+fn check_data(ptr: *const c_void, numel: usize, dtype: Dtype, name: &str) -> Result<usize, FfiError> {
+    if numel == 0 {
+        return Ok(0);
+    }
+    if ptr.is_null() {
+        return Err(FfiError::new(
+            FSDPTURBO_ERR_NULL_ARGUMENT,
+            format!("`{name}` is NULL but numel is {numel}; NULL is accepted only when numel is 0"),
+        ));
+    }
+    if (ptr as usize) % dtype.size() != 0 {
+        return Err(invalid(format!(
+            "`{name}` ({ptr:p}) is not aligned to its {}-byte element type",
+            dtype.size()
+        )));
+    }
+    match numel.checked_mul(dtype.size()) {
+        Some(bytes) if bytes <= isize::MAX as usize && (ptr as usize).checked_add(bytes).is_some() => {
+            Ok(bytes)
+        }
+        _ => Err(invalid(format!("`{name}`: numel {numel} is too large for the address space"))),
+    }
+}
+
+fn host_buf<'a>(ptr: *const c_void, numel: usize, dtype: Dtype) -> HostBuf<'a> {
+    if numel == 0 {
+        return match dtype {
+            Dtype::F32 => HostBuf::F32(&[]),
+            Dtype::F64 => HostBuf::F64(&[]),
+            Dtype::F16 => HostBuf::F16(&[]),
+            Dtype::Bf16 => HostBuf::Bf16(&[]),
+        };
+    }
+    // SAFETY: check_data accepted (ptr, numel, dtype): non-NULL, aligned, in range; the caller
+    // guarantees `numel` readable elements that nothing writes during the call.
+    unsafe {
+        match dtype {
+            Dtype::F32 => HostBuf::F32(std::slice::from_raw_parts(ptr.cast(), numel)),
+            Dtype::F64 => HostBuf::F64(std::slice::from_raw_parts(ptr.cast(), numel)),
+            Dtype::F16 => HostBuf::F16(std::slice::from_raw_parts(ptr.cast(), numel)),
+            Dtype::Bf16 => HostBuf::Bf16(std::slice::from_raw_parts(ptr.cast(), numel)),
+        }
+    }
+}
+
+fn host_buf_mut<'a>(ptr: *mut c_void, numel: usize, dtype: Dtype) -> HostBufMut<'a> {
+    // SAFETY: check_data accepted (ptr, numel, dtype) and numel > 0 (the caller skips empty
+    // gradients); no two gradients overlap (checked); the caller guarantees `numel` writable
+    // elements that nothing else accesses during the call.
+    unsafe {
+        match dtype {
+            Dtype::F32 => HostBufMut::F32(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
+            Dtype::F64 => HostBufMut::F64(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
+            Dtype::F16 => HostBufMut::F16(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
+            Dtype::Bf16 => HostBufMut::Bf16(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
+        }
+    }
+}
+
+fn layout_of(grad: &fsdpturbo_grad_t, i: usize) -> Result<GradLayout, FfiError> {
+    let dims = arg_slice(grad.dims, grad.n_dims, &format!("grads[{i}].dims"))?;
+    let roles = arg_slice(grad.roles, grad.n_dims, &format!("grads[{i}].roles"))?;
+    let mut layout = Vec::with_capacity(dims.len());
+    for (j, (&dim, &role)) in dims.iter().zip(roles).enumerate() {
+        let role = match role {
+            FSDPTURBO_DIM_SHARD => DimRole::Shard,
+            FSDPTURBO_DIM_REPLICATE => DimRole::Replicate,
+            FSDPTURBO_DIM_PARTIAL => DimRole::Partial,
+            other => {
+                return Err(invalid(format!(
+                    "`grads[{i}].roles[{j}]` is {other}, not an FSDPTURBO_DIM_* value \
+                     (SHARD=0, REPLICATE=1, PARTIAL=2)"
+                )));
+            }
+        };
+        layout.push((dim, role));
+    }
+    Ok(GradLayout { dims: layout })
+}
+
+/// Calls the embedder's callback (non-NULL whenever a set needs a collective: checked before).
+fn call_reduce(
+    reduce: fsdpturbo_reduce_fn,
+    user: *mut c_void,
+    set_index: usize,
+    dims: &[u32],
+    op: i32,
+    value: &mut f64,
+) -> i32 {
+    let f = reduce.expect("checked before the first call: reduce is non-NULL when a set needs a collective");
+    // SAFETY: the embedder's callback, called as its contract says; `dims` and `value` outlive
+    // the call.
+    unsafe { f(user, set_index, dims.as_ptr(), dims.len(), op, value) }
+}
+
+/// Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
+/// in place (DESIGN.md section 4.2): each gradient's local p-power sum is reduced over the mesh dims on
+/// which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
+/// with one `reduce` call per distinct set of dims, in first-seen order over `grads`, on every
+/// rank, also when this rank holds no elements (the value is then 0). Gradients of plain
+/// tensors need no collective. The total norm is written to `*out_total_norm`; when it is
+/// finite and above `max_norm`, every gradient is multiplied by `max_norm / (total + 1e-6)`.
+/// A nan/inf total leaves the gradients untouched and is returned (FSDPTURBO_OK), or, with
+/// `error_if_nonfinite`, written and reported as FSDPTURBO_ERR_INVALID_ARGUMENT.
+///
+/// Pass the same gradient list (the parameters known to all ranks, with numel 0 where this
+/// rank holds nothing) on every rank. `reduce` may be NULL only when no set needs a collective.
+/// A non-zero return from `reduce` aborts with that status and a message naming the set;
+/// nothing is modified then, nor on any argument error.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_clip_grad_norm(
+    options: *const fsdpturbo_clip_options_t,
+    grads: *const fsdpturbo_grad_t,
+    n_grads: usize,
+    reduce: fsdpturbo_reduce_fn,
+    user: *mut c_void,
+    out_total_norm: *mut f64,
+) -> i32 {
+    boundary(|| {
+        let options = clip_options(options)?;
+        arg_ref(out_total_norm.cast_const(), "out_total_norm")?;
+        let grads = arg_slice(grads, n_grads, "grads")?;
+
+        let mut layouts = Vec::with_capacity(grads.len());
+        let mut regions = Vec::new();
+        for (i, grad) in grads.iter().enumerate() {
+            layouts.push(layout_of(grad, i)?);
+            let dtype = Dtype::of(grad.dtype, &format!("grads[{i}].dtype"))?;
+            let bytes =
+                check_data(grad.mut_data.cast_const(), grad.numel, dtype, &format!("grads[{i}].mut_data"))?;
+            if !grad.data.is_null() && grad.data != grad.mut_data.cast_const() {
+                return Err(invalid(format!(
+                    "`grads[{i}].data` must be NULL or equal to `mut_data` here: gradients are read and \
+                     scaled in place through `mut_data`"
+                )));
+            }
+            if bytes > 0 {
+                regions.push((grad.mut_data as usize, bytes, i, dtype));
+            }
+        }
+        let plan = norm_plan(&layouts)?;
+        if reduce.is_none() {
+            if let Some((s, set)) = plan.sets.iter().enumerate().find(|(_, set)| !set.is_empty()) {
+                return Err(FfiError::new(
+                    FSDPTURBO_ERR_NULL_ARGUMENT,
+                    format!("`reduce` is NULL but set {s} (mesh dims {set:?}) needs a collective"),
+                ));
+            }
+        }
+        regions.sort_unstable_by_key(|&(start, ..)| start);
+        for w in regions.windows(2) {
+            let ((a, a_bytes, i, _), (b, _, j, _)) = (w[0], w[1]);
+            if a + a_bytes > b {
+                return Err(invalid(format!("the data of grads[{i}] and grads[{j}] overlap")));
+            }
+        }
+        let mut bufs: Vec<(usize, HostBufMut)> = regions
+            .iter()
+            .map(|&(start, bytes, i, dtype)| {
+                (i, host_buf_mut(start as *mut c_void, bytes / dtype.size(), dtype))
+            })
+            .collect();
+
+        let failed = Cell::new(0i32);
+        let mut call = |set_index: usize, value: f64, is_max: bool| -> crate::error::Result<f64> {
+            let dims = &plan.sets[set_index];
+            let op = if is_max { FSDPTURBO_REDUCE_MAX } else { FSDPTURBO_REDUCE_SUM };
+            let mut value = value;
+            let status = call_reduce(reduce, user, set_index, dims, op, &mut value);
+            if status != 0 {
+                failed.set(status);
+                return Err(crate::error::Error::invalid(format!(
+                    "the reduce callback returned status {status} for set {set_index} (mesh dims {dims:?}, \
+                     op {}); no gradient was modified",
+                    if is_max { "MAX" } else { "SUM" }
+                )));
+            }
+            Ok(value)
+        };
+        let core = ClipOptions { error_if_nonfinite: false, ..options };
+        let total = match clip_grad_norm_with(&plan, &mut bufs, &core, &mut call) {
+            Ok(total) => total,
+            Err(err) if failed.get() != 0 => return Err(FfiError::new(failed.get(), err.message)),
+            Err(err) => return Err(err.into()),
+        };
+        write_out(out_total_norm, "out_total_norm", total)?;
+        if options.error_if_nonfinite && !total.is_finite() {
+            return Err(norm::nonfinite_error(options.norm, total).into());
+        }
+        Ok(())
+    })
+}
+
+/// The local p-power sum, the sum of |x|^p over all elements of `grads[0..n_grads]` (max |x| when
+/// `norm_type` is INFINITY; any NaN gives NaN; no elements give 0), computed by the fused host
+/// kernels with double (`accumulate_f64`) or float accumulation; the layout fields (`dims`,
+/// `roles`, `n_dims`) are not used. Written to `*out_value`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_local_power_sum(
+    grads: *const fsdpturbo_grad_t,
+    n_grads: usize,
+    norm_type: f64,
+    accumulate_f64: bool,
+    out_value: *mut f64,
+) -> i32 {
+    boundary(|| {
+        let norm = NormType::new(norm_type).map_err(|e| invalid(format!("norm_type: {}", e.message)))?;
+        arg_ref(out_value.cast_const(), "out_value")?;
+        let grads = arg_slice(grads, n_grads, "grads")?;
+        let mut bufs = Vec::with_capacity(grads.len());
+        for (i, grad) in grads.iter().enumerate() {
+            let dtype = Dtype::of(grad.dtype, &format!("grads[{i}].dtype"))?;
+            let (ptr, name) = if grad.data.is_null() && !grad.mut_data.is_null() {
+                (grad.mut_data.cast_const(), format!("grads[{i}].mut_data"))
+            } else {
+                (grad.data, format!("grads[{i}].data"))
+            };
+            check_data(ptr, grad.numel, dtype, &name)?;
+            bufs.push(host_buf(ptr, grad.numel, dtype));
+        }
+        write_out(out_value, "out_value", norm::local_power_sum(&bufs, norm, accumulate_f64))
+    })
+}

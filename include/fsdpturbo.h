@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <stdbool.h>
 /* Initialisers for the option structs: every field at its documented default. */
+#define FSDPTURBO_TOPOLOGY_OPTIONS_INIT { sizeof(fsdpturbo_topology_options_t), 1, 0, 1, 1, 0, 1, 0 }
+#define FSDPTURBO_CLIP_OPTIONS_INIT { sizeof(fsdpturbo_clip_options_t), 1.0, 2.0, false, true }
+#define FSDPTURBO_MODEL_DESC_INIT { sizeof(fsdpturbo_model_desc_t), NULL, NULL, 0, NULL, NULL, NULL, 0 }
 
 
 // Success.
@@ -56,6 +59,200 @@
 // The ABI version: bumped on every incompatible change of this header.
 #define FSDPTURBO_ABI_VERSION 1
 
+// `dist_config.ep_dispatcher: eager` (also when there is no dist_config).
+#define FSDPTURBO_DISPATCHER_EAGER 0
+
+// `dist_config.ep_dispatcher: fused`.
+#define FSDPTURBO_DISPATCHER_FUSED 1
+
+// `dist_config.ep_dispatcher: mc2`.
+#define FSDPTURBO_DISPATCHER_MC2 2
+
+// `dist_config.ep_dispatcher: domino`.
+#define FSDPTURBO_DISPATCHER_DOMINO 3
+
+// Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
+#define FSDPTURBO_REDUCE_SUM 0
+
+// Reduction ops passed to fsdpturbo_reduce_fn: the max of the values of the group (p = inf).
+#define FSDPTURBO_REDUCE_MAX 1
+
+// Element types of fsdpturbo_grad_t: float.
+#define FSDPTURBO_DTYPE_F32 0
+
+// Element types of fsdpturbo_grad_t: double.
+#define FSDPTURBO_DTYPE_F64 1
+
+// Element types of fsdpturbo_grad_t: IEEE binary16, as uint16_t bit patterns.
+#define FSDPTURBO_DTYPE_F16 2
+
+// Element types of fsdpturbo_grad_t: bfloat16, as uint16_t bit patterns.
+#define FSDPTURBO_DTYPE_BF16 3
+
+// Placement of a gradient on one dim of its mesh: Shard (also _StridedShard).
+#define FSDPTURBO_DIM_SHARD 0
+
+// Placement of a gradient on one dim of its mesh: Replicate.
+#define FSDPTURBO_DIM_REPLICATE 1
+
+// Placement of a gradient on one dim of its mesh: Partial (rejected: reduce it first).
+#define FSDPTURBO_DIM_PARTIAL 2
+
+// Placement kind (fsdpturbo_placement_t.kind): torch `Shard(dim)`.
+#define FSDPTURBO_PLACEMENT_SHARD 0
+
+// Placement kind: torch `_StridedShard(dim, split_factor)` (FSDP2 over an already sharded dim).
+#define FSDPTURBO_PLACEMENT_STRIDED_SHARD 1
+
+// Placement kind: torch `Replicate()`.
+#define FSDPTURBO_PLACEMENT_REPLICATE 2
+
+// Placement kind: torch `Partial()`.
+#define FSDPTURBO_PLACEMENT_PARTIAL 3
+
+// Parameter roles (fsdpturbo_plan_param_role).
+#define FSDPTURBO_PARAM_EXPERT 0
+
+// A non-expert parameter inside an expert-FSDP unit (router, shared expert).
+#define FSDPTURBO_PARAM_EXPERT_FSDP 1
+
+// Listed in fsdp_ignored_modules: kept whole on every rank.
+#define FSDPTURBO_PARAM_IGNORED 2
+
+// Managed by the outer FSDP2 over dp.
+#define FSDPTURBO_PARAM_DENSE 3
+
+// Selects the data mesh `(dp, cp)`, dims "dp", "cp".
+#define FSDPTURBO_MESH_DATA 0
+
+// Selects the model mesh `(mp_replicate, mp_shard)`, dims "mp_replicate", "mp_shard".
+#define FSDPTURBO_MESH_MODEL 1
+
+// Selects the expert mesh `(edp, efsdp, ep, expert_cp)`, dims "edp", "efsdp", "ep",
+// "expert_cp". It exists only when ep_size > 1.
+#define FSDPTURBO_MESH_EXPERT 2
+
+// A parsed and validated training configuration (opaque). Made by fsdpturbo_config_parse,
+// released with fsdpturbo_config_free.
+typedef struct fsdpturbo_config_t fsdpturbo_config_t;
+
+// A copy plan: the elements of the full row-major tensor that form one rank's local tensor.
+typedef struct fsdpturbo_copy_plan_t fsdpturbo_copy_plan_t;
+
+// A compiled module-name pattern (opaque). Made by fsdpturbo_pattern_compile, released with
+// fsdpturbo_pattern_free. Matching does not modify it, so one handle may be matched from
+// several threads at once.
+typedef struct fsdpturbo_pattern_t fsdpturbo_pattern_t;
+
+// A resolved plan together with the model tree, topology and storage dtype it was made for.
+typedef struct fsdpturbo_plan_t fsdpturbo_plan_t;
+
+// An opaque, immutable topology. Made by fsdpturbo_topology_new or fsdpturbo_state_get; freed
+// with fsdpturbo_topology_free.
+typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
+
+// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
+typedef struct {
+  size_t struct_size;
+  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
+  double max_norm;
+  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
+  double norm_type;
+  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
+  // when the total norm is nan or inf, instead of returning it. Default false.
+  bool error_if_nonfinite;
+  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
+  bool accumulate_f64;
+} fsdpturbo_clip_options_t;
+
+// One gradient of the parameter list shared by all ranks, with its local elements on this
+// rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
+// the entry must still be passed so that every rank issues the same collectives).
+// `dims`/`roles` give, for each of the `n_dims` dims of its DTensor mesh, a mesh-dim id of the
+// caller's choosing and its FSDPTURBO_DIM_* placement; a plain tensor has `n_dims` 0.
+// fsdpturbo_clip_grad_norm reads and scales `mut_data` in place (`data` must be NULL or equal
+// to it); fsdpturbo_local_power_sum reads `data`, or `mut_data` when `data` is NULL. Data must
+// be aligned for its element type; NULL is accepted only when `numel` is 0.
+typedef struct {
+  const void *data;
+  void *mut_data;
+  size_t numel;
+  // FSDPTURBO_DTYPE_*.
+  int32_t dtype;
+  const uint32_t *dims;
+  // FSDPTURBO_DIM_*, one per entry of `dims`.
+  const int32_t *roles;
+  size_t n_dims;
+} fsdpturbo_grad_t;
+
+// The embedder's collective: reduce `*value` with `op` (FSDPTURBO_REDUCE_SUM or
+// FSDPTURBO_REDUCE_MAX) over the process group spanned by the `n_dims` mesh-dim ids `dims`
+// (sorted; the ids are the caller's own) that contains this rank, and store the result in
+// `*value`. `set_index` numbers the distinct reduction sets in first-seen order over the
+// gradient list. Return 0 on success; any other value aborts the call with that status.
+typedef int32_t (*fsdpturbo_reduce_fn)(void *user,
+                                       size_t set_index,
+                                       const uint32_t *dims,
+                                       size_t n_dims,
+                                       int32_t op,
+                                       double *value);
+
+// The placement of a tensor on one mesh dim. `dim` is the tensor dim of SHARD and
+// STRIDED_SHARD (>= 0; normalise negative dims first); `split_factor` (>= 1) is that of
+// STRIDED_SHARD. Fields a kind does not use must be 0, so `{FSDPTURBO_PLACEMENT_REPLICATE}`
+// and `{FSDPTURBO_PLACEMENT_SHARD, 1}` are complete initialisers.
+typedef struct {
+  int32_t kind;
+  int64_t dim;
+  int64_t split_factor;
+} fsdpturbo_placement_t;
+
+// A model described by its module names (named_modules() order) and parameters.
+// `param_shapes` holds the dims of every parameter back to back; `param_ndims[i]` says how
+// many belong to parameter i.
+typedef struct {
+  size_t struct_size;
+  const char *model_type;
+  const char *const *module_names;
+  size_t n_modules;
+  const char *const *param_names;
+  const size_t *param_ndims;
+  const uint64_t *param_shapes;
+  size_t n_params;
+} fsdpturbo_model_desc_t;
+
+// Bytes one rank holds (fsdpturbo_memory_t), under EP × EFSDP × outer FSDP2.
+typedef struct {
+  uint64_t param_elements;
+  uint64_t param_bytes;
+  uint64_t grad_bytes;
+  uint64_t optimizer_bytes;
+  uint64_t total_bytes;
+} fsdpturbo_memory_t;
+
+// The sizes of a topology. Initialise with FSDPTURBO_TOPOLOGY_OPTIONS_INIT, then set the
+// sizes you need. A 0 in dp_size, mp_shard_size or efsdp_size means "the default formula";
+// every other size must be at least 1.
+typedef struct {
+  // sizeof(fsdpturbo_topology_options_t), as set by FSDPTURBO_TOPOLOGY_OPTIONS_INIT.
+  size_t struct_size;
+  // Number of ranks; 1 means "not distributed". Default 1.
+  uint64_t world_size;
+  // Data-parallel size; 0 (default) means world_size / cp_size.
+  uint64_t dp_size;
+  // Context-parallel size. Default 1.
+  uint64_t cp_size;
+  // Replicate dim of the model mesh. Default 1.
+  uint64_t mp_replicate_size;
+  // Shard dim of the model mesh; 0 (default) means world_size / mp_replicate_size.
+  uint64_t mp_shard_size;
+  // Expert-parallel size; 1 (default) means no expert parallelism and no expert mesh.
+  uint64_t ep_size;
+  // Expert-FSDP size, only with ep_size > 1; 0 (default) means dp_size / ep_size (edp 1).
+  // A divisor of dp_size / ep_size gives edp = dp_size / (ep_size * efsdp_size) replicas.
+  uint64_t efsdp_size;
+} fsdpturbo_topology_options_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -79,6 +276,317 @@ const char *fsdpturbo_version(void);
 
 // The ABI version this library implements (FSDPTURBO_ABI_VERSION of its header).
 uint32_t fsdpturbo_abi_version(void);
+
+// Parses and validates a training YAML of `len` bytes at `yaml` (need not be NUL-terminated;
+// NULL is accepted when `len` is 0). On success `*out` receives a new handle; on failure
+// `*out` is set to NULL and the status is FSDPTURBO_ERR_CONFIG (also for bytes that are not
+// UTF-8), and fsdpturbo_last_error() holds every problem found, one per line, each with its
+// YAML path and line, e.g. "dist_config.ep_size (line 7): ep_size must be positive, got 0.".
+int32_t fsdpturbo_config_parse(const char *yaml, size_t len, fsdpturbo_config_t **out);
+
+// Releases a configuration made by fsdpturbo_config_parse; NULL is a no-op.
+void fsdpturbo_config_free(fsdpturbo_config_t *config);
+
+// Writes the whole configuration as JSON (NUL-terminated) into `buf` of `cap` bytes.
+// `*out_len` receives the bytes needed including the NUL; a short buffer (NULL is fine with
+// `cap` 0) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL and is left untouched. Keys are those of the
+// YAML; `dist` and `kernel` are null when the YAML has none; `dp_size`, `mp_shard_size` and
+// `dist.efsdp_size` are null when left to their defaults.
+int32_t fsdpturbo_config_to_json(const fsdpturbo_config_t *config,
+                                 char *buf,
+                                 size_t cap,
+                                 size_t *out_len);
+
+// `dist_config.ep_size` (1 when there is no dist_config).
+int32_t fsdpturbo_config_ep_size(const fsdpturbo_config_t *config, uint64_t *out);
+
+// The top-level `cp_size` (default 1).
+int32_t fsdpturbo_config_cp_size(const fsdpturbo_config_t *config, uint64_t *out);
+
+// The top-level `dp_size`; 0 when not set (the default: world size / cp_size).
+int32_t fsdpturbo_config_dp_size(const fsdpturbo_config_t *config, uint64_t *out);
+
+// `dist_config.efsdp_size`; 0 when not set (the default: dp_size / ep_size).
+int32_t fsdpturbo_config_efsdp_size(const fsdpturbo_config_t *config, uint64_t *out);
+
+// `dist_config.ep_dispatcher` as a FSDPTURBO_DISPATCHER_* constant (EAGER when there is no
+// dist_config).
+int32_t fsdpturbo_config_dispatcher(const fsdpturbo_config_t *config, int32_t *out);
+
+// Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
+// in place (DESIGN.md section 4.2): each gradient's local p-power sum is reduced over the mesh dims on
+// which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
+// with one `reduce` call per distinct set of dims, in first-seen order over `grads`, on every
+// rank, also when this rank holds no elements (the value is then 0). Gradients of plain
+// tensors need no collective. The total norm is written to `*out_total_norm`; when it is
+// finite and above `max_norm`, every gradient is multiplied by `max_norm / (total + 1e-6)`.
+// A nan/inf total leaves the gradients untouched and is returned (FSDPTURBO_OK), or, with
+// `error_if_nonfinite`, written and reported as FSDPTURBO_ERR_INVALID_ARGUMENT.
+//
+// Pass the same gradient list (the parameters known to all ranks, with numel 0 where this
+// rank holds nothing) on every rank. `reduce` may be NULL only when no set needs a collective.
+// A non-zero return from `reduce` aborts with that status and a message naming the set;
+// nothing is modified then, nor on any argument error.
+int32_t fsdpturbo_clip_grad_norm(const fsdpturbo_clip_options_t *options,
+                                 const fsdpturbo_grad_t *grads,
+                                 size_t n_grads,
+                                 fsdpturbo_reduce_fn reduce,
+                                 void *user,
+                                 double *out_total_norm);
+
+// Multiplies every element of `grads[0..n_grads]` (through `mut_data`) by `coef` in place with
+// the fused host kernel: f64 arithmetic for f64 data, f32 for the others, rounded to nearest
+// even for f16/bf16 (as torch's `mul_` by a Python float). The layout fields are not used.
+int32_t fsdpturbo_scale_in_place(const fsdpturbo_grad_t *grads, size_t n_grads, double coef);
+
+// The local p-power sum, the sum of |x|^p over all elements of `grads[0..n_grads]` (max |x| when
+// `norm_type` is INFINITY; any NaN gives NaN; no elements give 0), computed by the fused host
+// kernels with double (`accumulate_f64`) or float accumulation; the layout fields (`dims`,
+// `roles`, `n_dims`) are not used. Written to `*out_value`.
+int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
+                                  size_t n_grads,
+                                  double norm_type,
+                                  bool accumulate_f64,
+                                  double *out_value);
+
+// Compiles a module-name pattern such as "model.layers.{*}.mlp.experts".
+//
+// The language: `{*}` matches one or more decimal digits; `{a-b}` one or more digits whose
+// value is in a..b inclusive (leading zeros allowed; bounds as Python int(): surrounding
+// spaces, a leading '+', '_' between digits); `*` any run of characters, dots included, and
+// the empty run; `?` exactly one character; everything else is literal, and the whole name
+// must match. Brace groups are not nested; an unbalanced '{' or a lone '}' is literal. Ranges
+// are checked on the first (greedy) match only: "*{0-3}" matches "layer12" but not "layer45".
+//
+// On success `*out` receives a new handle (free it with fsdpturbo_pattern_free). A malformed
+// brace group gives FSDPTURBO_ERR_INVALID_ARGUMENT with the seed's message, e.g.
+// "Invalid brace pattern: 1-2-3", "Non-integer in range: a-3",
+// "Invalid range: 5-3 (low > high)" or "Unrecognized brace pattern: 1,2"; `*out` is then NULL.
+int32_t fsdpturbo_pattern_compile(const char *pattern, fsdpturbo_pattern_t **out);
+
+// Matches a module name against a compiled pattern; `*out` receives the result.
+int32_t fsdpturbo_pattern_match(const fsdpturbo_pattern_t *pattern, const char *name, bool *out);
+
+// Releases a pattern made by fsdpturbo_pattern_compile. NULL is accepted and does nothing.
+// Does not change the thread's last error.
+void fsdpturbo_pattern_free(fsdpturbo_pattern_t *pattern);
+
+// Compiles `pattern` and matches `name` in one call (the seed's module_name_match); `*out`
+// receives the result. Errors as for fsdpturbo_pattern_compile. To match many names, compile
+// once with fsdpturbo_pattern_compile instead.
+int32_t fsdpturbo_module_name_match(const char *pattern, const char *name, bool *out);
+
+// torch 2.15's `_compute_local_shape_and_global_offset`: the local shape and the global
+// offset of the shard at `coordinate` of a tensor of `global_shape` (`ndim` dims) placed by
+// `placements` on a mesh of `mesh_shape` (`mesh_ndim` dims; `coordinate` and `placements`
+// have `mesh_ndim` entries). Uneven and empty shards (offset = the dim's global size),
+// several placements on one dim (nested, in mesh-dim order) and _StridedShard (offset of the
+// first local row) follow torch. `local_shape` and `global_offset` receive `ndim` elements
+// each, and are written only on success. Arrays may be NULL when their length is 0.
+int32_t fsdpturbo_local_shape_and_offset(const uint64_t *global_shape,
+                                         size_t ndim,
+                                         const uint64_t *mesh_shape,
+                                         const uint64_t *coordinate,
+                                         size_t mesh_ndim,
+                                         const fsdpturbo_placement_t *placements,
+                                         uint64_t *local_shape,
+                                         uint64_t *global_offset);
+
+// Makes the copy plan of the shard at `coordinate` (arguments as for
+// fsdpturbo_local_shape_and_offset): the elements of the full row-major tensor that form
+// its local tensor, as maximal contiguous runs in local order. _StridedShard is supported;
+// a PARTIAL placement is rejected (a partial local tensor is not a selection of elements).
+// On success `*out` receives a plan to free with fsdpturbo_copy_plan_free.
+int32_t fsdpturbo_copy_plan_new(const uint64_t *global_shape,
+                                size_t ndim,
+                                const uint64_t *mesh_shape,
+                                const uint64_t *coordinate,
+                                size_t mesh_ndim,
+                                const fsdpturbo_placement_t *placements,
+                                fsdpturbo_copy_plan_t **out);
+
+// Frees a copy plan; NULL is a no-op.
+void fsdpturbo_copy_plan_free(fsdpturbo_copy_plan_t *plan);
+
+// The runs of the plan as `(src, dst, len)` triples of element offsets (src in the full
+// tensor, dst in the local tensor), 3 * `cap_runs` integers at `triples`. `*out_runs` always
+// receives the number of runs; when it exceeds `cap_runs` the status is
+// FSDPTURBO_ERR_BUFFER_TOO_SMALL and nothing is written (pass 0 and NULL to ask for it).
+int32_t fsdpturbo_copy_plan_runs(const fsdpturbo_copy_plan_t *plan,
+                                 uint64_t *triples,
+                                 size_t cap_runs,
+                                 size_t *out_runs);
+
+// The local shape of the plan, `cap` elements at `shape`; `*out_ndim` always receives the
+// number of dims, and a short buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+int32_t fsdpturbo_copy_plan_local_shape(const fsdpturbo_copy_plan_t *plan,
+                                        uint64_t *shape,
+                                        size_t cap,
+                                        size_t *out_ndim);
+
+// The number of elements of the plan's local tensor.
+int32_t fsdpturbo_copy_plan_local_numel(const fsdpturbo_copy_plan_t *plan, uint64_t *out);
+
+// Copies this rank's elements of the full tensor into its local tensor: `elem_size` bytes
+// per element, one memcpy per run of the plan (a contiguous block is one run). `full_bytes`
+// must be exactly the full tensor's numel times `elem_size` and `local_bytes` the local
+// tensor's; the buffers must not overlap. A buffer may be NULL when its length is 0.
+int32_t fsdpturbo_copy_bytes(const fsdpturbo_copy_plan_t *plan,
+                             size_t elem_size,
+                             const void *full,
+                             size_t full_bytes,
+                             void *local,
+                             size_t local_bytes);
+
+// The inverse of fsdpturbo_copy_bytes: writes the local tensor back to its place in the full
+// tensor (the gather step for one rank); other bytes of `full` are left untouched. Lengths
+// are checked as for fsdpturbo_copy_bytes.
+int32_t fsdpturbo_copy_bytes_back(const fsdpturbo_copy_plan_t *plan,
+                                  size_t elem_size,
+                                  const void *local,
+                                  size_t local_bytes,
+                                  void *full,
+                                  size_t full_bytes);
+
+// Resolves the plan of the model described by `desc` under `config` and `topology`, using the
+// process-wide spec registry (built-ins plus fsdpturbo_spec_register).
+int32_t fsdpturbo_plan_resolve(const fsdpturbo_model_desc_t *desc,
+                               const fsdpturbo_config_t *config,
+                               const fsdpturbo_topology_t *topology,
+                               fsdpturbo_plan_t **out);
+
+// Like fsdpturbo_plan_resolve, for a built-in family (qwen3_moe, qwen3_5_moe) described by
+// the text of its Hugging Face config.json.
+int32_t fsdpturbo_plan_resolve_hf(const char *config_json,
+                                  const fsdpturbo_config_t *config,
+                                  const fsdpturbo_topology_t *topology,
+                                  fsdpturbo_plan_t **out);
+
+// Frees a plan; NULL is a no-op.
+void fsdpturbo_plan_free(fsdpturbo_plan_t *plan);
+
+// The number of EP modules in the plan (0 without expert parallelism).
+int32_t fsdpturbo_plan_num_ep_modules(const fsdpturbo_plan_t *plan, size_t *out);
+
+// EP module `index`: its name (into `name`, with NUL; `*name_len` gets the bytes needed), its
+// global and local expert counts.
+int32_t fsdpturbo_plan_ep_module(const fsdpturbo_plan_t *plan,
+                                 size_t index,
+                                 char *name,
+                                 size_t name_cap,
+                                 size_t *name_len,
+                                 uint64_t *num_global_experts,
+                                 uint64_t *num_local_experts);
+
+// The role of parameter `name` (FSDPTURBO_PARAM_*); an unknown name is an error.
+int32_t fsdpturbo_plan_param_role(const fsdpturbo_plan_t *plan, const char *name, int32_t *out);
+
+// What every gradient is divided by after its reduction (DESIGN §4.1).
+int32_t fsdpturbo_plan_gradient_divide_factor(const fsdpturbo_plan_t *plan, double *out);
+
+// The global expert indices `rank` holds (`local_expert_indices`).
+int32_t fsdpturbo_plan_local_experts(const fsdpturbo_plan_t *plan,
+                                     uint64_t rank,
+                                     uint64_t *experts,
+                                     size_t cap,
+                                     size_t *out_len);
+
+// For each global expert, its index among its owner's local experts (`expert_ids_per_ep_rank`).
+int32_t fsdpturbo_plan_expert_ids_per_ep_rank(const fsdpturbo_plan_t *plan,
+                                              uint64_t *ids,
+                                              size_t cap,
+                                              size_t *out_len);
+
+// The memory `rank` holds under the plan.
+int32_t fsdpturbo_plan_memory(const fsdpturbo_plan_t *plan, uint64_t rank, fsdpturbo_memory_t *out);
+
+// The whole plan as JSON, copied into `buf` with its NUL; `*out_len` gets the bytes needed.
+int32_t fsdpturbo_plan_to_json(const fsdpturbo_plan_t *plan,
+                               char *buf,
+                               size_t cap,
+                               size_t *out_len);
+
+// Registers (or replaces, as the seed does) the spec of `model_type` in the process-wide
+// registry: `ep_modules` (n_ep patterns, at least one) and `ep_fsdp_modules` (n_fsdp
+// patterns; pass NULL and 0 to derive them by dropping a `.experts` suffix). Every pattern
+// is compiled first; an invalid one gives FSDPTURBO_ERR_INVALID_ARGUMENT and registers nothing.
+int32_t fsdpturbo_spec_register(const char *model_type,
+                                const char *const *ep_modules,
+                                size_t n_ep,
+                                const char *const *ep_fsdp_modules,
+                                size_t n_fsdp);
+
+// The registered spec of `model_type` as JSON (`{"model_type", "ep_modules",
+// "ep_fsdp_modules"}`), copied into `buf` with its NUL; `*out_len` receives the bytes needed.
+// An unregistered type gives FSDPTURBO_ERR_PLAN with the seed's message.
+int32_t fsdpturbo_spec_to_json(const char *model_type, char *buf, size_t cap, size_t *out_len);
+
+// Initialises the process-global parallel state with a copy of `topology`. Calling it again
+// with an equal topology is a no-op; with a different one it fails with FSDPTURBO_ERR_STATE and
+// the message "FSDPTurbo parallel state is already initialized with (dp, cp, ep), got
+// (dp, cp, ep)." followed by the fields that differ. Thread-safe.
+int32_t fsdpturbo_state_initialize(const fsdpturbo_topology_t *topology);
+
+// Stores in `*out` a new topology handle holding a copy of the global state's topology (free
+// it with fsdpturbo_topology_free). FSDPTURBO_ERR_STATE, with `*out` set to NULL, when the
+// state is not initialised.
+int32_t fsdpturbo_state_get(fsdpturbo_topology_t **out);
+
+// Forgets the process-global parallel state, so it can be initialised with another topology.
+// Handles obtained earlier stay valid. Leaves the thread's last error untouched.
+void fsdpturbo_state_reset(void);
+
+// Builds a topology from `options` and stores a new handle in `*out` (NULL on failure).
+// Errors: FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_STRUCT_SIZE (options not initialised with
+// FSDPTURBO_TOPOLOGY_OPTIONS_INIT), FSDPTURBO_ERR_TOPOLOGY (inconsistent sizes; the message
+// names them and what is accepted).
+int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
+                               fsdpturbo_topology_t **out);
+
+// Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
+// can be called while cleaning up after a failure.
+void fsdpturbo_topology_free(fsdpturbo_topology_t *topology);
+
+// Stores one size of the topology in `*out`. `dim` is one of: "world", "dp", "cp",
+// "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp" (always equal to cp). With
+// ep_size 1, efsdp and edp are 1. An unknown name gives FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_topology_size(const fsdpturbo_topology_t *topology,
+                                const char *dim,
+                                uint64_t *out);
+
+// Copies the shape of mesh `mesh` (FSDPTURBO_MESH_*) into `shape` (capacity `capacity`
+// elements) and stores its number of dims in `*out_len`. A short buffer (NULL with capacity 0
+// asks for the length) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set.
+// FSDPTURBO_MESH_EXPERT with ep_size 1 gives FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_topology_mesh_shape(const fsdpturbo_topology_t *topology,
+                                      int32_t mesh,
+                                      uint64_t *shape,
+                                      size_t capacity,
+                                      size_t *out_len);
+
+// Copies the coordinate of `rank` in mesh `mesh` (row-major, last dim fastest, as torch
+// init_device_mesh) into `coordinate` and its length into `*out_len`. A rank outside the mesh
+// gives FSDPTURBO_ERR_INVALID_ARGUMENT; a short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+int32_t fsdpturbo_topology_coordinate(const fsdpturbo_topology_t *topology,
+                                      int32_t mesh,
+                                      uint64_t rank,
+                                      uint64_t *coordinate,
+                                      size_t capacity,
+                                      size_t *out_len);
+
+// Copies the members of `rank`'s group over `dims` in mesh `mesh` into `members` and their
+// count into `*out_len`. `dims` is a comma-separated list of the mesh's dim names, e.g. "ep" or
+// "efsdp,ep". With one dim, member i has group-local rank i; with several, the order is
+// row-major over the dims as listed (the first slowest), like torch `mesh["efsdp", "ep"]`.
+// Unknown or repeated dims and ranks outside the mesh give FSDPTURBO_ERR_INVALID_ARGUMENT; a
+// short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set to the group size.
+int32_t fsdpturbo_topology_group(const fsdpturbo_topology_t *topology,
+                                 int32_t mesh,
+                                 const char *dims,
+                                 uint64_t rank,
+                                 uint64_t *members,
+                                 size_t capacity,
+                                 size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -82,6 +82,11 @@ pub struct Pattern {
     /// The number of `Token::Digits` (brace groups plus literal `__NUM__`s, see the quirk).
     groups: usize,
     has_any_run: bool,
+    /// The literal characters before the first non-literal token and after the last one: a
+    /// name must start and end with them (modulo `$`'s trailing newline) to match, which
+    /// rejects almost every name without running the search.
+    literal_prefix: String,
+    literal_suffix: String,
 }
 
 impl Pattern {
@@ -125,14 +130,44 @@ impl Pattern {
             i += c.len_utf8();
         }
         let has_any_run = tokens.contains(&Token::AnyRun);
-        Ok(Pattern { source: pattern.to_string(), tokens, specs, groups, has_any_run })
+        let literal = |t: &Token| match t {
+            Token::Literal(c) => Some(*c),
+            _ => None,
+        };
+        let literal_prefix: String = tokens.iter().map_while(literal).collect();
+        let literal_suffix: String = if literal_prefix.chars().count() == tokens.len() {
+            String::new() // all literal: the prefix already is the whole pattern
+        } else {
+            let mut tail: Vec<char> = tokens.iter().rev().map_while(literal).collect();
+            tail.reverse();
+            tail.into_iter().collect()
+        };
+        Ok(Pattern {
+            source: pattern.to_string(),
+            tokens,
+            specs,
+            groups,
+            has_any_run,
+            literal_prefix,
+            literal_suffix,
+        })
     }
 
     /// Whether `name` matches: the anchored expression matches and the captures of that first
     /// match satisfy the brace specs paired with them.
     pub fn is_match(&self, name: &str) -> bool {
+        if !self.may_match(name) {
+            return false;
+        }
         let chars: Vec<char> = name.chars().collect();
         self.is_match_chars(&chars)
+    }
+
+    /// A necessary condition for a match, checked on the bytes without allocating.
+    fn may_match(&self, name: &str) -> bool {
+        let body = name.strip_suffix('\n');
+        let ends_ok = |suffix: &str| name.ends_with(suffix) || body.is_some_and(|b| b.ends_with(suffix));
+        name.starts_with(&self.literal_prefix) && ends_ok(&self.literal_suffix)
     }
 
     /// The pattern text as given to `compile`.
@@ -291,8 +326,11 @@ impl PatternSet {
 
     /// The index of the first pattern that matches `name`.
     pub fn first_match(&self, name: &str) -> Option<usize> {
-        let chars: Vec<char> = name.chars().collect();
-        self.patterns.iter().position(|pattern| pattern.is_match_chars(&chars))
+        let mut chars: Option<Vec<char>> = None;
+        self.patterns.iter().position(|pattern| {
+            pattern.may_match(name)
+                && pattern.is_match_chars(chars.get_or_insert_with(|| name.chars().collect()))
+        })
     }
 
     /// Whether any pattern matches `name`.

@@ -3,6 +3,9 @@
 //! parameters the outer FSDP2 ignores, which experts each rank owns, how every parameter is
 //! laid out, the gradient divide factor, and the bytes each rank holds.
 
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+
 use crate::config::DistConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::pattern::PatternSet;
@@ -35,13 +38,6 @@ pub enum ParamRole {
     Dense,
 }
 
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct ParamPlan {
-    pub name: String,
-    pub shape: Vec<u64>,
-    pub role: ParamRole,
-}
-
 /// An EP module and its expert counts.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct ExpertModule {
@@ -56,9 +52,9 @@ pub struct Plan {
     pub ep_modules: Vec<ExpertModule>,
     pub efsdp_modules: Vec<String>,
     pub hook_modules: Vec<String>,
-    /// Parameters the outer FSDP2 must not manage (EP parameters and fsdp_ignored_modules).
-    pub ignored_params: Vec<String>,
-    pub params: Vec<ParamPlan>,
+    /// The role of every parameter of the planned tree, in the tree's order. The plan
+    /// annotates the tree rather than copying its names: a 235B model has 37k of them.
+    pub roles: Vec<ParamRole>,
     /// What every gradient is divided by after its reduction: the world size, since each
     /// rank's loss is the mean over its own tokens (DESIGN §4.1).
     pub gradient_divide_factor: f64,
@@ -108,65 +104,149 @@ fn compile(patterns: &[String], source: &str) -> Result<PatternSet> {
 /// without the seed's duplicates; a module matched twice is reported in `warnings`.
 fn match_modules(tree: &ModelTree, patterns: &PatternSet, warnings: &mut Vec<String>) -> Vec<String> {
     let mut matched: Vec<String> = Vec::new();
+    let mut seen: HashSet<&str> = HashSet::new();
     for pattern in patterns.patterns() {
         for module in tree.modules.iter().filter(|m| pattern.is_match(m)) {
-            if matched.contains(module) {
+            if seen.insert(module) {
+                matched.push(module.clone());
+            } else {
                 warnings.push(format!(
                     "module {module} is matched by more than one pattern; it is processed once \
                      (the seed would process it twice)"
                 ));
-            } else {
-                matched.push(module.clone());
             }
         }
     }
     matched
 }
 
-/// Parameters directly owned by `module` (not by its children).
-fn direct_params<'t>(tree: &'t ModelTree, module: &str) -> impl Iterator<Item = &'t ParamInfo> {
-    tree.params.iter().filter(move |p| {
-        p.name.strip_prefix(module).and_then(|rest| rest.strip_prefix('.')).is_some_and(|leaf| !leaf.contains('.'))
-    })
+fn within(module: &str, name: &str) -> bool {
+    module.is_empty() || name.strip_prefix(module).is_some_and(|rest| rest.starts_with('.'))
 }
 
-fn within(module: &str, param: &str) -> bool {
-    module.is_empty() || param.strip_prefix(module).is_some_and(|rest| rest.starts_with('.'))
+/// The number of '.' in a dotted module or parameter name.
+fn dots(name: &str) -> usize {
+    name.bytes().filter(|&b| b == b'.').count()
 }
 
-fn expert_module(tree: &ModelTree, name: &str, ep: u64) -> Result<ExpertModule> {
-    let mut experts = None;
-    for param in direct_params(tree, name) {
-        let Some(&first) = param.shape.first() else {
+/// A set of module names that answers "is one of them an ancestor of this parameter?" with a
+/// lookup per distinct depth of its members, not per ancestor.
+struct ModuleSet<'a> {
+    names: HashSet<&'a str>,
+    /// The distinct numbers of dots in the members' names.
+    depths: Vec<usize>,
+    has_root: bool,
+    /// The member found last: parameters come grouped by module, so most lookups hit it.
+    last_hit: Cell<Option<&'a str>>,
+}
+
+impl<'a> ModuleSet<'a> {
+    fn new(names: impl Iterator<Item = &'a String>) -> ModuleSet<'a> {
+        let names: HashSet<&str> = names.map(String::as_str).collect();
+        let has_root = names.contains("");
+        let mut depths: Vec<usize> = names.iter().filter(|n| !n.is_empty()).map(|n| dots(n)).collect();
+        depths.sort_unstable();
+        depths.dedup();
+        ModuleSet { names, depths, has_root, last_hit: Cell::new(None) }
+    }
+
+    fn contains_ancestor_of(&self, name: &str) -> bool {
+        if self.has_root || self.last_hit.get().is_some_and(|hit| within(hit, name)) {
+            return true;
+        }
+        if self.depths.is_empty() {
+            return false;
+        }
+        // A member with d dots is an ancestor iff it equals the prefix before dot number d.
+        let mut dot_positions =
+            name.bytes().enumerate().filter(|&(_, b)| b == b'.').map(|(i, _)| i).enumerate();
+        let found = self.depths.iter().find_map(|&d| {
+            let (_, end) = dot_positions.find(|&(n, _)| n == d)?;
+            self.names.get(&name[..end]).copied()
+        });
+        if found.is_some() {
+            self.last_hit.set(found);
+        }
+        found.is_some()
+    }
+}
+
+/// The number of experts of each EP module: the leading dim of its fused expert weights
+/// (`num_experts`), or, for the legacy ModuleList form, its number of numbered children.
+/// One pass over the parameters and one over the modules.
+fn count_experts(tree: &ModelTree, names: &[String]) -> Result<Vec<u64>> {
+    let index: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+    // Only names one level below an EP module can belong to it: compare dot counts before hashing.
+    let child_depths: HashSet<usize> = names.iter().map(|n| dots(n) + 1).collect();
+    let child_of = |name: &str| -> Option<usize> {
+        if !child_depths.contains(&dots(name)) {
+            return None;
+        }
+        index.get(&name[..name.rfind('.')?]).copied()
+    };
+    let mut fused: Vec<Option<(u64, &str)>> = vec![None; names.len()];
+    for param in &tree.params {
+        let Some(i) = child_of(&param.name) else { continue };
+        let owner = &names[i];
+        let Some(&rows) = param.shape.first() else {
             return Err(plan_error(format!(
                 "[Expert Parallel] expert parameter {} is a scalar; expert parameters are [E, ...]",
                 param.name
             )));
         };
-        match experts {
-            None => experts = Some(first),
-            Some(e) if e != first => {
+        match fused[i] {
+            Some((e, other)) if e != rows => {
                 return Err(plan_error(format!(
-                    "[Expert Parallel] the parameters of {name} disagree on the number of experts: \
-                     {} has {first} rows, another has {e}",
+                    "[Expert Parallel] the parameters of {owner} disagree on the number of experts: \
+                     {other} has {e} rows, {} has {rows}",
                     param.name
                 )));
             }
-            Some(_) => {}
+            _ => fused[i] = Some((rows, &param.name)),
         }
     }
-    let num_global_experts = experts.ok_or_else(|| {
-        plan_error(format!(
-            "[Expert Parallel] module {name} matches an EP pattern but holds no expert parameters \
-             (expected fused [E, ...] weights such as gate_up_proj and down_proj)"
-        ))
-    })?;
-    if num_global_experts % ep != 0 {
-        return Err(plan_error(format!(
-            "Number of experts({num_global_experts}) is not divisible by ep size({ep})."
-        )));
+    let mut numbered_children = vec![0u64; names.len()];
+    for module in &tree.modules {
+        if module.as_bytes().last().is_some_and(u8::is_ascii_digit)
+            && let Some((_, leaf)) = module.rsplit_once('.')
+            && leaf.bytes().all(|b| b.is_ascii_digit())
+            && let Some(i) = child_of(module)
+        {
+            numbered_children[i] += 1;
+        }
     }
-    Ok(ExpertModule { name: name.to_string(), num_global_experts, num_local_experts: num_global_experts / ep })
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| match (fused[i], numbered_children[i]) {
+            (Some((rows, _)), _) => Ok(rows),
+            (None, n) if n > 0 => Ok(n),
+            _ => Err(plan_error(format!(
+                "[Expert Parallel] module {name} matches an EP pattern but holds no experts: expected \
+                 fused [E, ...] weights (gate_up_proj, down_proj) or a ModuleList of experts"
+            ))),
+        })
+        .collect()
+}
+
+fn expert_modules(tree: &ModelTree, names: &[String], ep: u64) -> Result<Vec<ExpertModule>> {
+    let counts = count_experts(tree, names)?;
+    names
+        .iter()
+        .zip(counts)
+        .map(|(name, num_global_experts)| {
+            if num_global_experts % ep != 0 {
+                return Err(plan_error(format!(
+                    "Number of experts({num_global_experts}) is not divisible by ep size({ep})."
+                )));
+            }
+            Ok(ExpertModule {
+                name: name.clone(),
+                num_global_experts,
+                num_local_experts: num_global_experts / ep,
+            })
+        })
+        .collect()
 }
 
 /// Module names in post-order (children before parents, root last), as the seed's hook search.
@@ -206,24 +286,39 @@ pub fn resolve(input: &PlanInput) -> Result<Plan> {
                 spec.model_type
             )));
         }
-        ep_modules = names.iter().map(|name| expert_module(tree, name, ep)).collect::<Result<_>>()?;
+        ep_modules = expert_modules(tree, &names, ep)?;
 
         if efsdp > 1 {
             let efsdp_patterns = spec.efsdp_modules();
-            let compiled = compile(&efsdp_patterns, &format!("model spec {}.ep_fsdp_modules", spec.model_type))?;
-            efsdp_modules = match_modules(tree, &compiled, &mut warnings);
-            if efsdp_modules.is_empty() {
+            let compiled =
+                compile(&efsdp_patterns, &format!("model spec {}.ep_fsdp_modules", spec.model_type))?;
+            let matched = match_modules(tree, &compiled, &mut warnings);
+            if matched.is_empty() {
                 return Err(plan_error(format!(
                     "[Expert Fully Shard] No module named {} or not be ModuleList (model type {})",
                     py_list(&efsdp_patterns),
                     spec.model_type
                 )));
             }
+            // A unit without experts (e.g. a dense MLP layer in `mlp_only_layers`, which the
+            // seed's `...mlp` pattern also matches) would be sharded over efsdp alone while
+            // replicated over ep; it stays with the outer FSDP2 instead.
+            let (with_experts, without): (Vec<String>, Vec<String>) =
+                matched.into_iter().partition(|unit| ep_modules.iter().any(|m| within(unit, &m.name)));
+            for unit in without {
+                warnings.push(format!(
+                    "{unit} matches the EFSDP pattern but holds no EP module; it stays with the outer FSDP2"
+                ));
+            }
+            efsdp_modules = with_experts;
             if !dist.hook_modules.is_empty() {
                 let hooks = compile(&dist.hook_modules, "dist_config.hook_modules")?;
                 hook_modules = post_order(&tree.modules).into_iter().filter(|m| hooks.is_match(m)).collect();
                 if hook_modules.is_empty() {
-                    return Err(plan_error(format!("[FSDP2] No module named {}.", py_list(&dist.hook_modules))));
+                    return Err(plan_error(format!(
+                        "[FSDP2] No module named {}.",
+                        py_list(&dist.hook_modules)
+                    )));
                 }
             }
         }
@@ -238,32 +333,31 @@ pub fn resolve(input: &PlanInput) -> Result<Plan> {
             ));
         }
     }
-    let ignored_modules: Vec<&String> = tree.modules.iter().filter(|m| user_ignored.is_match(m)).collect();
+    let ignored_modules = ModuleSet::new(tree.modules.iter().filter(|m| user_ignored.is_match(m)));
+    let expert_modules = ModuleSet::new(ep_modules.iter().map(|m| &m.name));
+    let efsdp_units = ModuleSet::new(efsdp_modules.iter());
 
-    let mut params = Vec::with_capacity(tree.params.len());
-    let mut ignored_params = Vec::new();
-    for param in &tree.params {
-        let role = if ep_modules.iter().any(|m| within(&m.name, &param.name)) {
-            ParamRole::Expert
-        } else if ignored_modules.iter().any(|m| within(m, &param.name)) {
-            ParamRole::Ignored
-        } else if efsdp_modules.iter().any(|m| within(m, &param.name)) {
-            ParamRole::ExpertFsdp
-        } else {
-            ParamRole::Dense
-        };
-        if matches!(role, ParamRole::Expert | ParamRole::Ignored) {
-            ignored_params.push(param.name.clone());
-        }
-        params.push(ParamPlan { name: param.name.clone(), shape: param.shape.clone(), role });
-    }
+    let roles = tree
+        .params
+        .iter()
+        .map(|param| {
+            if expert_modules.contains_ancestor_of(&param.name) {
+                ParamRole::Expert
+            } else if ignored_modules.contains_ancestor_of(&param.name) {
+                ParamRole::Ignored
+            } else if efsdp_units.contains_ancestor_of(&param.name) {
+                ParamRole::ExpertFsdp
+            } else {
+                ParamRole::Dense
+            }
+        })
+        .collect();
 
     Ok(Plan {
         ep_modules,
         efsdp_modules,
         hook_modules,
-        ignored_params,
-        params,
+        roles,
         gradient_divide_factor: topology.world_size as f64,
         seed_gradient_divide_factor: (ep > 1 && efsdp > 1).then(|| (ep * efsdp) as f64),
         warnings,
@@ -278,13 +372,13 @@ pub(crate) fn chunk_len(n: u64, parts: u64, index: u64) -> u64 {
 }
 
 /// The local shape of a parameter on the rank at `coord` (mesh coordinates by dim name).
-fn local_shape(param: &ParamPlan, topology: &Topology, coord: &Coordinates) -> Vec<u64> {
+fn local_shape(param: &ParamInfo, role: ParamRole, topology: &Topology, coord: &Coordinates) -> Vec<u64> {
     let mut shape = param.shape.clone();
     if shape.is_empty() {
         return shape;
     }
     let fsdp_dim = if shape.len() >= 2 { 1 } else { 0 };
-    match param.role {
+    match role {
         ParamRole::Expert => {
             shape[0] = chunk_len(shape[0], topology.ep_size, coord.ep);
             if topology.efsdp_size > 1 {
@@ -318,8 +412,46 @@ fn coordinates(topology: &Topology, rank: u64) -> Result<Coordinates> {
     Ok(Coordinates { dp: data[0], ep, efsdp })
 }
 
+impl Plan {
+    /// Parameters the outer FSDP2 must not manage: EP parameters and fsdp_ignored_modules.
+    pub fn ignored_params<'t>(&self, tree: &'t ModelTree) -> Vec<&'t str> {
+        tree.params
+            .iter()
+            .zip(&self.roles)
+            .filter(|(_, role)| matches!(role, ParamRole::Expert | ParamRole::Ignored))
+            .map(|(p, _)| p.name.as_str())
+            .collect()
+    }
+
+    /// The role of parameter `name` of `tree`.
+    pub fn role(&self, tree: &ModelTree, name: &str) -> Option<ParamRole> {
+        tree.params.iter().position(|p| p.name == name).map(|i| self.roles[i])
+    }
+
+    /// The plan with every parameter's name, shape and role, as one JSON value.
+    pub fn to_json(&self, tree: &ModelTree) -> serde_json::Value {
+        let mut value = serde_json::to_value(self).expect("plain data serialises");
+        let params: Vec<serde_json::Value> = tree
+            .params
+            .iter()
+            .zip(&self.roles)
+            .map(|(p, role)| serde_json::json!({ "name": p.name, "shape": p.shape, "role": role }))
+            .collect();
+        value["roles"] = serde_json::Value::Null;
+        value["params"] = serde_json::Value::Array(params);
+        value["ignored_params"] = serde_json::json!(self.ignored_params(tree));
+        value
+    }
+}
+
 /// What `rank` holds under `plan`.
-pub fn rank_plan(plan: &Plan, topology: &Topology, bf16: bool, rank: u64) -> Result<RankPlan> {
+pub fn rank_plan(
+    plan: &Plan,
+    tree: &ModelTree,
+    topology: &Topology,
+    bf16: bool,
+    rank: u64,
+) -> Result<RankPlan> {
     let coord = coordinates(topology, rank)?;
     let (local_expert_indices, expert_ids_per_ep_rank) = match plan.ep_modules.first() {
         Some(m) => {
@@ -332,8 +464,12 @@ pub fn rank_plan(plan: &Plan, topology: &Topology, bf16: bool, rank: u64) -> Res
         None => (Vec::new(), Vec::new()),
     };
     let element_bytes = if bf16 { 2 } else { 4 };
-    let param_elements: u64 =
-        plan.params.iter().map(|p| local_shape(p, topology, &coord).iter().product::<u64>()).sum();
+    let param_elements: u64 = tree
+        .params
+        .iter()
+        .zip(&plan.roles)
+        .map(|(p, &role)| local_shape(p, role, topology, &coord).iter().product::<u64>())
+        .sum();
     let param_bytes = param_elements * element_bytes;
     let memory = Memory {
         param_elements,

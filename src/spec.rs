@@ -31,11 +31,9 @@ impl ModelSpec {
     pub fn efsdp_modules(&self) -> Vec<String> {
         match &self.ep_fsdp_modules {
             Some(patterns) => patterns.clone(),
-            None => self
-                .ep_modules
-                .iter()
-                .map(|p| p.strip_suffix(".experts").unwrap_or(p).to_string())
-                .collect(),
+            None => {
+                self.ep_modules.iter().map(|p| p.strip_suffix(".experts").unwrap_or(p).to_string()).collect()
+            }
         }
     }
 }
@@ -134,9 +132,10 @@ impl ModelTree {
 
 /// Builds the module tree of a built-in model family from its HF `config.json` values.
 pub fn model_tree_from_config(config: &Value) -> Result<ModelTree> {
-    let model_type = config.get("model_type").and_then(Value::as_str).ok_or_else(|| {
-        Error::new(ErrorKind::Plan, "config.json: `model_type` is missing or not a string")
-    })?;
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| Error::new(ErrorKind::Plan, "config.json: `model_type` is missing or not a string"))?;
     match model_type {
         "qwen3_moe" => qwen3_moe_tree(config),
         "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe_tree(config),
@@ -162,7 +161,9 @@ impl ConfigValues<'_> {
     }
     fn uint(&self, key: &str) -> Result<u64> {
         match self.values.get(key) {
-            Some(v) => v.as_u64().ok_or_else(|| self.error(key, &format!("must be a non-negative integer, got {v}"))),
+            Some(v) => {
+                v.as_u64().ok_or_else(|| self.error(key, &format!("must be a non-negative integer, got {v}")))
+            }
             None => Err(self.error(key, "is missing (needed to build the module tree)")),
         }
     }
@@ -234,8 +235,14 @@ impl MoeDims {
             tree.module(format!("{mlp}.gate"));
         };
         let experts = |tree: &mut ModelTree| {
-            tree.param(format!("{mlp}.experts.gate_up_proj"), &[self.experts, 2 * self.moe_intermediate, self.hidden]);
-            tree.param(format!("{mlp}.experts.down_proj"), &[self.experts, self.hidden, self.moe_intermediate]);
+            tree.param(
+                format!("{mlp}.experts.gate_up_proj"),
+                &[self.experts, 2 * self.moe_intermediate, self.hidden],
+            );
+            tree.param(
+                format!("{mlp}.experts.down_proj"),
+                &[self.experts, self.hidden, self.moe_intermediate],
+            );
             tree.module(format!("{mlp}.experts"));
             tree.module(format!("{mlp}.experts.act_fn"));
         };
@@ -412,7 +419,9 @@ fn layer_types(v: &ConfigValues, layers: u64) -> Result<Vec<String>> {
         None | Some(Value::Null) => {
             let interval = v.positive_or("full_attention_interval", 4)?;
             Ok((0..layers)
-                .map(|i| if (i + 1) % interval == 0 { "full_attention" } else { "linear_attention" }.to_string())
+                .map(|i| {
+                    if (i + 1) % interval == 0 { "full_attention" } else { "linear_attention" }.to_string()
+                })
                 .collect())
         }
         Some(other) => Err(v.error("layer_types", &format!("must be a list, got {other}"))),

@@ -4,13 +4,16 @@
 //!
 //! The global is set once; initialising again with the same topology is a no-op that returns
 //! the same `Arc`, with a different one an error (the seed's text). `reset_global_state` starts
-//! over. All of it is thread-safe.
+//! over. All of it is thread-safe. The process-wide model-spec registry lives here too.
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use once_cell::sync::Lazy;
+use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::pattern::PatternSet;
+use crate::spec::{ModelSpec, SpecRegistry};
 use crate::topology::{Mesh, Topology};
 
 /// A resolved topology with its meshes built once.
@@ -120,4 +123,30 @@ pub fn global_state() -> Option<Arc<ParallelState>> {
 /// `Arc`s handed out earlier stay valid.
 pub fn reset_global_state() {
     *GLOBAL.lock() = None;
+}
+
+/// The process-wide model-spec registry (built-ins plus specs registered from C or Python).
+static SPECS: Lazy<RwLock<SpecRegistry>> = Lazy::new(|| RwLock::new(SpecRegistry::with_builtins()));
+
+/// Registers (or replaces) a spec in the process-wide registry after compiling its patterns,
+/// so a bad pattern is reported at registration and nothing is stored.
+pub fn register_spec(spec: ModelSpec) -> Result<()> {
+    if spec.model_type.is_empty() {
+        return Err(Error::invalid("model_type must not be empty"));
+    }
+    if spec.ep_modules.is_empty() {
+        return Err(Error::invalid(format!(
+            "the spec of {} needs at least one ep_modules pattern",
+            spec.model_type
+        )));
+    }
+    PatternSet::compile(&spec.ep_modules)?;
+    PatternSet::compile(&spec.efsdp_modules())?;
+    SPECS.write().register(spec);
+    Ok(())
+}
+
+/// The spec of `model_type` from the process-wide registry.
+pub fn spec(model_type: &str) -> Result<ModelSpec> {
+    SPECS.read().get(model_type).cloned()
 }

@@ -138,7 +138,7 @@ fn dry_run(args: &Args) -> DryRun {
     match plan::resolve(&input) {
         Ok(resolved) => {
             for rank in 0..world_size {
-                match plan::rank_plan(&resolved, topology, config.bf16, rank) {
+                match plan::rank_plan(&resolved, tree, topology, config.bf16, rank) {
                     Ok(rank_plan) => run.rank_plans.push(rank_plan),
                     Err(e) => run.violations.push(format!("plan for rank {rank}: {}", e.message)),
                 }
@@ -226,7 +226,7 @@ fn print_text(run: &DryRun) {
         if run.rank < run.world_size {
             println!("groups of rank {}:", run.rank);
             for (dims, members) in groups_of(topology, run.rank) {
-                println!("  {dims:<10} {}", list(&members));
+                println!("  {dims:<12} {}", list(&members));
             }
         }
     }
@@ -253,7 +253,7 @@ fn print_text(run: &DryRun) {
     }
     println!(
         "outer FSDP2 ignores {} parameters; gradient divide factor {} (seed: {})",
-        plan.ignored_params.len(),
+        plan.ignored_params(run.tree.as_ref().expect("planned trees exist")).len(),
         plan.gradient_divide_factor,
         plan.seed_gradient_divide_factor.map_or("none".to_string(), |f| f.to_string())
     );
@@ -261,7 +261,10 @@ fn print_text(run: &DryRun) {
         "memory per rank ({} storage; grads in the same dtype; AdamW moments 2× parameters):",
         if config.bf16 { "bf16" } else { "f32" }
     );
-    println!("  {:<12} {:>14} {:>12} {:>12} {:>12} {:>12}", "ranks", "param elems", "params", "grads", "adam", "total");
+    println!(
+        "  {:<12} {:>14} {:>12} {:>12} {:>12} {:>12}",
+        "ranks", "param elems", "params", "grads", "adam", "total"
+    );
     for (first, last, m) in memory_rows(&run.rank_plans) {
         let ranks = if first == last { first.to_string() } else { format!("{first}-{last}") };
         println!(
@@ -284,11 +287,15 @@ fn print_text(run: &DryRun) {
 }
 
 fn to_json(run: &DryRun) -> Value {
-    let meshes = run.topology.as_ref().map(|t| {
-        json!({ "data": t.data_mesh(), "model": t.model_mesh(), "expert": t.expert_mesh() })
-    });
+    let meshes = run
+        .topology
+        .as_ref()
+        .map(|t| json!({ "data": t.data_mesh(), "model": t.model_mesh(), "expert": t.expert_mesh() }));
     let groups = run.topology.as_ref().filter(|_| run.rank < run.world_size).map(|t| {
-        groups_of(t, run.rank).into_iter().map(|(dims, members)| (dims, json!(members))).collect::<serde_json::Map<_, _>>()
+        groups_of(t, run.rank)
+            .into_iter()
+            .map(|(dims, members)| (dims, json!(members)))
+            .collect::<serde_json::Map<_, _>>()
     });
     let owners = match (&run.plan, &run.topology) {
         (Some(p), Some(t)) => json!(plan::expert_owners(p, t)),
@@ -304,7 +311,10 @@ fn to_json(run: &DryRun) -> Value {
         "topology": run.topology,
         "meshes": meshes,
         "groups": groups,
-        "plan": run.plan,
+        "plan": match (&run.plan, &run.tree) {
+            (Some(p), Some(t)) => p.to_json(t),
+            _ => Value::Null,
+        },
         "expert_owners": owners,
         "ranks": run.rank_plans,
         "notes": run.tree.as_ref().map(|t| t.notes.clone()).unwrap_or_default(),

@@ -19,7 +19,6 @@ pub const FSDPTURBO_DISPATCHER_DOMINO: i32 = 3;
 
 /// A parsed and validated training configuration (opaque). Made by fsdpturbo_config_parse,
 /// released with fsdpturbo_config_free.
-#[allow(non_camel_case_types)]
 pub struct fsdpturbo_config_t {
     config: TrainConfig,
 }

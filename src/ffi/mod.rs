@@ -1,5 +1,9 @@
 //! Every `extern "C"` item of the library: one file per core module it exposes, plus the
-//! plumbing (status codes, last error, panic boundary, marshalling).
+//! plumbing (status codes, last error, panic boundary, marshalling). Type names follow C
+//! conventions (`fsdpturbo_*_t`), and every function takes raw pointers from C whose validity
+//! is the caller's contract (documented per function), hence the two lint allowances.
+#![allow(non_camel_case_types)]
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod error;
 pub mod handle;

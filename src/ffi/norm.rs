@@ -1,8 +1,6 @@
 //! C ABI of the gradient norm: placement-aware clipping with the collectives supplied by the
 //! embedder as a callback (for C++ trainers), and the fused host p-power sum of a buffer list.
 
-#![allow(non_camel_case_types)]
-
 use std::cell::Cell;
 use std::ffi::c_void;
 
@@ -285,23 +283,9 @@ pub extern "C" fn fsdpturbo_clip_grad_norm(
         arg_ref(out_total_norm.cast_const(), "out_total_norm")?;
         let grads = arg_slice(grads, n_grads, "grads")?;
 
-        let mut layouts = Vec::with_capacity(grads.len());
-        let mut regions = Vec::new();
-        for (i, grad) in grads.iter().enumerate() {
-            layouts.push(layout_of(grad, i)?);
-            let dtype = Dtype::of(grad.dtype, &format!("grads[{i}].dtype"))?;
-            let bytes =
-                check_data(grad.mut_data.cast_const(), grad.numel, dtype, &format!("grads[{i}].mut_data"))?;
-            if !grad.data.is_null() && grad.data != grad.mut_data.cast_const() {
-                return Err(invalid(format!(
-                    "`grads[{i}].data` must be NULL or equal to `mut_data` here: gradients are read and \
-                     scaled in place through `mut_data`"
-                )));
-            }
-            if bytes > 0 {
-                regions.push((grad.mut_data as usize, bytes, i, dtype));
-            }
-        }
+        let layouts =
+            grads.iter().enumerate().map(|(i, grad)| layout_of(grad, i)).collect::<Result<Vec<_>, _>>()?;
+        let mut bufs = mutable_buffers(grads)?;
         let plan = norm_plan(&layouts)?;
         if reduce.is_none() {
             if let Some((s, set)) = plan.sets.iter().enumerate().find(|(_, set)| !set.is_empty()) {
@@ -311,19 +295,6 @@ pub extern "C" fn fsdpturbo_clip_grad_norm(
                 ));
             }
         }
-        regions.sort_unstable_by_key(|&(start, ..)| start);
-        for w in regions.windows(2) {
-            let ((a, a_bytes, i, _), (b, _, j, _)) = (w[0], w[1]);
-            if a + a_bytes > b {
-                return Err(invalid(format!("the data of grads[{i}] and grads[{j}] overlap")));
-            }
-        }
-        let mut bufs: Vec<(usize, HostBufMut)> = regions
-            .iter()
-            .map(|&(start, bytes, i, dtype)| {
-                (i, host_buf_mut(start as *mut c_void, bytes / dtype.size(), dtype))
-            })
-            .collect();
 
         let failed = Cell::new(0i32);
         let mut call = |set_index: usize, value: f64, is_max: bool| -> crate::error::Result<f64> {
@@ -351,6 +322,50 @@ pub extern "C" fn fsdpturbo_clip_grad_norm(
         if options.error_if_nonfinite && !total.is_finite() {
             return Err(norm::nonfinite_error(options.norm, total).into());
         }
+        Ok(())
+    })
+}
+
+/// The gradients' data as mutable host buffers, tagged with their index: checked for dtype,
+/// alignment, NULL and overlap (scaling writes through them).
+fn mutable_buffers<'a>(grads: &[fsdpturbo_grad_t]) -> Result<Vec<(usize, HostBufMut<'a>)>, FfiError> {
+    let mut regions = Vec::new();
+    for (i, grad) in grads.iter().enumerate() {
+        let dtype = Dtype::of(grad.dtype, &format!("grads[{i}].dtype"))?;
+        let bytes =
+            check_data(grad.mut_data.cast_const(), grad.numel, dtype, &format!("grads[{i}].mut_data"))?;
+        if !grad.data.is_null() && grad.data != grad.mut_data.cast_const() {
+            return Err(invalid(format!(
+                "`grads[{i}].data` must be NULL or equal to `mut_data` here: gradients are read and \
+                 scaled in place through `mut_data`"
+            )));
+        }
+        if bytes > 0 {
+            regions.push((grad.mut_data as usize, bytes, i, dtype));
+        }
+    }
+    regions.sort_unstable_by_key(|&(start, ..)| start);
+    for w in regions.windows(2) {
+        let ((a, a_bytes, i, _), (b, _, j, _)) = (w[0], w[1]);
+        if a + a_bytes > b {
+            return Err(invalid(format!("the data of grads[{i}] and grads[{j}] overlap")));
+        }
+    }
+    Ok(regions
+        .iter()
+        .map(|&(start, bytes, i, dtype)| (i, host_buf_mut(start as *mut c_void, bytes / dtype.size(), dtype)))
+        .collect())
+}
+
+/// Multiplies every element of `grads[0..n_grads]` (through `mut_data`) by `coef` in place with
+/// the fused host kernel: f64 arithmetic for f64 data, f32 for the others, rounded to nearest
+/// even for f16/bf16 (as torch's `mul_` by a Python float). The layout fields are not used.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_scale_in_place(grads: *const fsdpturbo_grad_t, n_grads: usize, coef: f64) -> i32 {
+    boundary(|| {
+        let grads = arg_slice(grads, n_grads, "grads")?;
+        let mut bufs: Vec<HostBufMut> = mutable_buffers(grads)?.into_iter().map(|(_, buf)| buf).collect();
+        norm::scale_in_place(&mut bufs, coef);
         Ok(())
     })
 }

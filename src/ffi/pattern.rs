@@ -11,7 +11,6 @@ use crate::pattern::{Pattern, module_name_match};
 /// A compiled module-name pattern (opaque). Made by fsdpturbo_pattern_compile, released with
 /// fsdpturbo_pattern_free. Matching does not modify it, so one handle may be matched from
 /// several threads at once.
-#[allow(non_camel_case_types)]
 pub struct fsdpturbo_pattern_t {
     pattern: Pattern,
 }

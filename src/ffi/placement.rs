@@ -1,8 +1,6 @@
 //! C ABI of DTensor placements: torch's local shape and global offset of a shard, and copy
 //! plans that move a rank's elements between the full tensor and its local tensor.
 
-#![allow(non_camel_case_types)]
-
 use std::ffi::c_void;
 
 use super::error::FfiError;

@@ -1,8 +1,6 @@
 //! C ABI of `topology`: build a topology from sizes, read its sizes, mesh shapes, rank
 //! coordinates and communication groups.
 
-#![allow(non_camel_case_types)]
-
 use std::ffi::c_char;
 
 use super::error::FfiError;

@@ -1,0 +1,141 @@
+//! The `fsdpturbo plan` CLI, run as a process.
+
+use std::process::{Command, Output};
+
+fn plan(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fsdpturbo"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(args)
+        .output()
+        .expect("the CLI runs")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).expect("UTF-8 output")
+}
+
+#[test]
+fn no_arguments_plans_the_embedded_example() {
+    let out = plan(&[]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("violations: none"), "{text}");
+    assert!(text.contains("expert (edp=1, efsdp=4, ep=8, expert_cp=1)"), "{text}");
+    assert!(text.contains("48 EP modules"), "{text}");
+    assert!(text.contains("ep rank 7   experts 112-127"), "{text}");
+}
+
+/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks (reference §3.4).
+#[test]
+fn seed_layout_world16_cp2_ep4() {
+    let out = plan(&[
+        "plan",
+        "--config",
+        "examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml",
+        "--model",
+        "examples/models/qwen3_5_35b_a3b.json",
+        "--world-size",
+        "16",
+        "--rank",
+        "3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stdout(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(report["meshes"]["expert"]["shape"], serde_json::json!([1, 2, 4, 2]));
+    assert_eq!(report["groups"]["ep"], serde_json::json!([1, 3, 5, 7]));
+    assert_eq!(report["groups"]["efsdp"], serde_json::json!([3, 11]));
+    assert_eq!(report["groups"]["expert_cp"], serde_json::json!([2, 3]));
+    assert_eq!(report["groups"]["dp"], serde_json::json!([1, 3, 5, 7, 9, 11, 13, 15]));
+    assert_eq!(report["plan"]["ep_modules"].as_array().unwrap().len(), 40);
+    assert_eq!(report["expert_owners"][1], serde_json::json!([64, 128]));
+    assert_eq!(report["ranks"][3]["local_expert_indices"].as_array().unwrap().len(), 64);
+    assert_eq!(report["valid"], true);
+}
+
+#[test]
+fn every_shipped_example_is_valid() {
+    for (config, world) in [
+        ("examples/configs/qwen3_30b_a3b_ep8.yaml", "32"),
+        ("examples/configs/qwen3_5_cp1_ep16_efsdp1.yaml", "16"),
+        ("examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml", "16"),
+        ("examples/configs/qwen3_5_a5_cp1_ep8.yaml", "8"),
+    ] {
+        let model = if config.contains("qwen3_5") {
+            "examples/models/qwen3_5_35b_a3b.json"
+        } else {
+            "examples/models/qwen3_30b_a3b.json"
+        };
+        let out = plan(&["plan", "--config", config, "--model", model, "--world-size", world]);
+        assert!(out.status.success(), "{config}: {}", stdout(&out));
+    }
+    let out = plan(&[
+        "plan",
+        "--config",
+        "examples/configs/qwen3_30b_a3b_ep8.yaml",
+        "--model",
+        "examples/models/qwen3_235b_a22b.json",
+        "--world-size",
+        "64",
+    ]);
+    assert!(out.status.success(), "{}", stdout(&out));
+}
+
+#[test]
+fn violations_are_all_reported_with_a_nonzero_exit() {
+    let dir = std::env::temp_dir().join(format!("fsdpturbo-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("bad.yaml");
+    std::fs::write(&config, "dist_config:\n  name: fsdpturbo\n  ep_size: 3\n  cp_size: 2\n").unwrap();
+    let model = dir.join("bad.json");
+    std::fs::write(&model, "{\"model_type\": \"qwen3_moe\", \"hidden_size\": 64}").unwrap();
+    let out = plan(&[
+        "plan",
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--world-size",
+        "8",
+        "--rank",
+        "9",
+    ]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("Unknown params for DistributedPlugin.FSDPTurboParams: ['cp_size']"), "{text}");
+    assert!(text.contains("line 4"), "{text}");
+    assert!(text.contains("`num_attention_heads` is missing"), "{text}");
+    assert!(text.contains("--rank 9 is outside the world of 8 ranks"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn topology_violations_use_the_seed_text() {
+    let out = plan(&[
+        "plan",
+        "--config",
+        "examples/configs/qwen3_30b_a3b_ep8.yaml",
+        "--model",
+        "examples/models/qwen3_30b_a3b.json",
+        "--world-size",
+        "12",
+    ]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("dp_size must be divisible by ep_size, got 12 % 8 != 0."), "{text}");
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let out = plan(&["plan", "--config", "x.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = plan(&["plan", "--world-size", "many", "--config", "a", "--model", "b"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--world-size must be a non-negative integer"));
+    let out = plan(&["reshard"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out =
+        plan(&["plan", "--config", "/nonexistent.yaml", "--model", "/nonexistent.json", "--world-size", "4"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).contains("/nonexistent.yaml: cannot read"));
+}

@@ -1,0 +1,57 @@
+// Shared helpers of the op library: turning library statuses into torch errors, and
+// encoding placements in op schemas.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "fsdpturbo.h"
+
+namespace fsdpturbo_torch {
+
+// Throws a torch error (a Python RuntimeError/ValueError) carrying the library's message.
+inline void check(int32_t status, const char* what) {
+  if (status == FSDPTURBO_OK) return;
+  size_t len = fsdpturbo_last_error(nullptr, 0);
+  std::string message(len + 1, '\0');
+  fsdpturbo_last_error(message.data(), message.size());
+  message.resize(len);
+  TORCH_CHECK_VALUE(status != FSDPTURBO_ERR_INVALID_ARGUMENT && status != FSDPTURBO_ERR_NULL_ARGUMENT,
+                    what, ": ", message);
+  TORCH_CHECK(false, what, ": ", message, " (", fsdpturbo_status_name(status), ")");
+}
+
+// Placements travel through schemas as flat [kind, dim, split_factor] triples
+// (FSDPTURBO_PLACEMENT_* kinds), one triple per mesh dim.
+inline std::vector<fsdpturbo_placement_t> placements_from(c10::IntArrayRef triples, size_t mesh_ndim) {
+  TORCH_CHECK_VALUE(triples.size() == 3 * mesh_ndim, "placements: expected ", 3 * mesh_ndim,
+                    " integers (kind, dim, split_factor per mesh dim), got ", triples.size());
+  std::vector<fsdpturbo_placement_t> out(mesh_ndim);
+  for (size_t i = 0; i < mesh_ndim; ++i) {
+    out[i].kind = static_cast<int32_t>(triples[3 * i]);
+    out[i].dim = triples[3 * i + 1];
+    out[i].split_factor = triples[3 * i + 2];
+  }
+  return out;
+}
+
+// Non-negative int lists (shapes, coordinates) as the uint64 arrays of the C ABI.
+inline std::vector<uint64_t> unsigned_from(c10::IntArrayRef values, const char* name) {
+  std::vector<uint64_t> out;
+  out.reserve(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    TORCH_CHECK_VALUE(values[i] >= 0, name, "[", i, "] must be non-negative, got ", values[i]);
+    out.push_back(static_cast<uint64_t>(values[i]));
+  }
+  return out;
+}
+
+// Raised by the kernels of devices whose run-time backend is not built yet.
+[[noreturn]] inline void not_available(const char* op, const c10::Device& device) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::", op, " is not available on this device yet (",
+                              device.str(), "); only CPU tensors are supported in this build");
+}
+
+}  // namespace fsdpturbo_torch

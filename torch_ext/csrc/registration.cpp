@@ -1,0 +1,50 @@
+// The `fsdpturbo` op namespace: every schema, and the kernels that take no tensors.
+// Tensor kernels are registered per dispatch key next to their implementation.
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace fsdpturbo_torch {
+namespace {
+
+std::string version() { return fsdpturbo_version(); }
+
+// torch 2.15 `_compute_local_shape_and_global_offset`, computed by the Rust core.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> local_shape_and_offset(
+    c10::IntArrayRef global_shape, c10::IntArrayRef mesh_shape, c10::IntArrayRef coordinate,
+    c10::IntArrayRef placements) {
+  auto global = unsigned_from(global_shape, "global_shape");
+  auto mesh = unsigned_from(mesh_shape, "mesh_shape");
+  auto coord = unsigned_from(coordinate, "coordinate");
+  TORCH_CHECK_VALUE(coord.size() == mesh.size(), "coordinate has ", coord.size(),
+                    " entries but the mesh has ", mesh.size(), " dims");
+  auto placed = placements_from(placements, mesh.size());
+  std::vector<uint64_t> local(global.size()), offset(global.size());
+  check(fsdpturbo_local_shape_and_offset(global.data(), global.size(), mesh.data(), coord.data(), mesh.size(),
+                                         placed.data(), local.data(), offset.data()),
+        "fsdpturbo::local_shape_and_offset");
+  return {std::vector<int64_t>(local.begin(), local.end()), std::vector<int64_t>(offset.begin(), offset.end())};
+}
+
+}  // namespace
+}  // namespace fsdpturbo_torch
+
+TORCH_LIBRARY(fsdpturbo, m) {
+  m.def("version() -> str", &fsdpturbo_torch::version);
+  m.def("local_shape_and_offset(int[] global_shape, int[] mesh_shape, int[] coordinate, int[] placements)"
+        " -> (int[], int[])",
+        &fsdpturbo_torch::local_shape_and_offset);
+  // Copies this rank's slice of `full` (the whole tensor) into `local`; placements as
+  // [kind, dim, split_factor] per mesh dim. Same dtype; `full` is read, `local` written.
+  m.def("copy_slice_(Tensor(a!) local, Tensor full, int[] mesh_shape, int[] coordinate, int[] placements) -> ()");
+  // The inverse: writes `local` to its place in `full` (one rank's part of a gather).
+  m.def("scatter_slice_(Tensor(a!) full, Tensor local, int[] mesh_shape, int[] coordinate, int[] placements) -> ()");
+  // Σ|x|^p over every element of `tensors` (max |x| for p = inf), as a float64 scalar.
+  m.def("power_sum(Tensor[] tensors, float norm_type, bool accumulate_f64=True) -> Tensor");
+  // Multiplies every tensor in place by `coef` with one fused pass.
+  m.def("foreach_scale_(Tensor(a!)[] tensors, float coef) -> ()");
+}

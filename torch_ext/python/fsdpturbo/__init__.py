@@ -1,0 +1,17 @@
+"""libfsdpturbo for PyTorch: the expert-parallel and expert-FSDP engine's Python API.
+
+Every rule, number and plan comes from the Rust core (through its C ABI); this package does
+what must be Python: torch DeviceMeshes, DTensors and torch.distributed calls.
+"""
+from ._native import FsdpturboError, FsdpturboValueError, ops
+from .config import parse_train_config
+from .pattern import module_name_match
+from .topology import ParallelState, get_parallel_state, initialize_parallel_state, reset_parallel_state
+
+__version__ = ops.version()
+
+__all__ = [
+    "FsdpturboError", "FsdpturboValueError", "ParallelState", "get_parallel_state",
+    "initialize_parallel_state", "module_name_match", "ops", "parse_train_config",
+    "reset_parallel_state",
+]

@@ -1,0 +1,46 @@
+"""pip install ./torch_ext — builds the Rust library and the op library through the project's
+top-level CMake (the same build ctest uses) and installs them inside the `fsdpturbo` package.
+
+Needs cargo, cmake and a C++20 compiler, and torch already installed in the target
+environment (use `pip install --no-build-isolation ./torch_ext`).
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+class BuildWithCMake(build_py):
+    def run(self):
+        super().run()
+        build_dir = pathlib.Path(os.environ.get("FSDPTURBO_CMAKE_BUILD_DIR", REPO / "build"))
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.check_call(["cmake", "-S", str(REPO), "-B", str(build_dir), *generator,
+                               "-DCMAKE_BUILD_TYPE=Release", f"-DPython3_EXECUTABLE={sys.executable}"])
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "fsdpturbo_torch"])
+        lib_dir = pathlib.Path(self.build_lib) / "fsdpturbo" / "lib"
+        lib_dir.mkdir(parents=True, exist_ok=True)
+        rust_lib = REPO / "target" / "release" / "libfsdpturbo.so"
+        shutil.copy2(rust_lib, lib_dir / "libfsdpturbo.so")
+        # The op library finds the Rust library by its SONAME through $ORIGIN.
+        shutil.copy2(rust_lib, lib_dir / "libfsdpturbo.so.0")
+        shutil.copy2(build_dir / "torch_ext" / "libfsdpturbo_torch.so", lib_dir / "libfsdpturbo_torch.so")
+
+
+setup(
+    name="fsdpturbo",
+    version="0.1.0",
+    description="Expert-parallel and expert-sharded-FSDP engine for Mixture-of-Experts training",
+    package_dir={"": "python"},
+    packages=["fsdpturbo"],
+    python_requires=">=3.10",
+    cmdclass={"build_py": BuildWithCMake},
+    zip_safe=False,
+)

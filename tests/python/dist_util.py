@@ -14,7 +14,9 @@ import torch.multiprocessing as mp
 
 START_METHOD = os.environ.get("FT_MP_START", "forkserver")
 if START_METHOD == "forkserver":
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+    # transformers' Qwen3-MoE modules too: the EP and training tests build HF blocks on every rank.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
+                               "transformers.models.qwen3_moe.modeling_qwen3_moe", "fsdpturbo"])
 
 PG_TIMEOUT_S = float(os.environ.get("FT_PG_TIMEOUT_S", "60"))
 

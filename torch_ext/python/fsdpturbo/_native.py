@@ -134,3 +134,12 @@ for _name, (_restype, _argtypes) in _SIGNATURES.items():
     _fn.argtypes = _argtypes
 
 MESH_DATA, MESH_MODEL, MESH_EXPERT = 0, 1, 2
+
+for _name, (_restype, _argtypes) in {
+    "fsdpturbo_pattern_compile": (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_void_p)]),
+    "fsdpturbo_pattern_match": (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_bool)]),
+    "fsdpturbo_pattern_free": (None, [_c.c_void_p]),
+}.items():
+    _fn = getattr(lib, _name)
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes

@@ -768,6 +768,24 @@ fn anchors_aliases_and_merge_keys_are_followed() {
 }
 
 #[test]
+fn alias_bombs_are_refused_before_expansion() {
+    // An anchor of n items used n times: n² values for serde_yaml (4 million here, and out of
+    // memory at 10 times the size) if it were let through.
+    let n = 2000;
+    let yaml = format!("model: m\na: &a [{}]\nb: [{}]\n", vec!["x"; n].join(", "), vec!["*a"; n].join(", "));
+    let start = std::time::Instant::now();
+    let e = error(&yaml);
+    assert_eq!(
+        (e.line, e.message.as_str()),
+        (Some(3), "the YAML's aliases expand to more than 100000 nodes")
+    );
+    assert!(start.elapsed() < std::time::Duration::from_secs(5), "{:?}", start.elapsed());
+    // Ordinary reuse is fine: 100 uses of a 100-node anchor.
+    let yaml = format!("a: &a [{}]\nb: [{}]\n", vec!["x"; 99].join(", "), vec!["*a"; 100].join(", "));
+    assert_eq!(ok(&yaml), TrainConfig::default());
+}
+
+#[test]
 fn document_level_errors() {
     let e = error("- a\n- b\n");
     assert_eq!((e.path.as_str(), e.line), ("", None));
@@ -1143,4 +1161,19 @@ mod c_abi {
         assert_eq!(json(cfg)["dist"], serde_json::Value::Null);
         fsdpturbo_config_free(cfg);
     }
+}
+
+#[test]
+fn each_error_stays_on_one_line_whatever_the_input() {
+    // Control characters in what the seed prints raw are escaped.
+    let yaml = "dist_config:\n  name: fsdpturbo\n  ep_dispatcher: \"a\\nb\"\n  fsdp_implementation: \"x\\ry\"\n  \
+                \"odd\\nkey\": 1\nkernel_config:\n  name: \"auto, li\\nger\"\n";
+    let errors = errors(yaml);
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    let text = ConfigErrors(errors).to_string();
+    assert_eq!(text.lines().count(), 4, "{text}");
+    assert!(text.contains("Unsupported dispatcher a\\nb."), "{text}");
+    assert!(text.contains("Unknown FSDP implementation: x\\ry."), "{text}");
+    assert!(text.contains("Plugin 'li\\nger' is not registered"), "{text}");
+    assert!(text.contains("dist_config['odd\\nkey'] (line 5): Unknown params for DistributedPlugin.FSDPTurboParams: ['odd\\nkey']"), "{text}");
 }

@@ -1194,7 +1194,8 @@ impl Lines {
             recording: bool,
             /// Nodes in this collection with aliases expanded, itself included.
             nodes: u64,
-            anchor: Option<Vec<u8>>,
+            /// The anchor on this collection and the number of its definition.
+            anchor: Option<(Vec<u8>, usize)>,
         }
         /// A node of `nodes` (expanded) nodes ends: its parent moves on and counts it.
         fn close(frames: &mut [Frame], key: Option<String>, nodes: u64) {
@@ -1212,7 +1213,10 @@ impl Lines {
         let Some(events) = events::Events::new(text) else { return index };
         let mut path = base;
         let mut frames: Vec<Frame> = Vec::new();
-        let mut anchors: HashMap<Vec<u8>, u64> = HashMap::new();
+        // Each anchor's latest definition (defined where its node starts, as serde_yaml's loader
+        // does): its number and its expanded size, None while its node is still open.
+        let mut anchors: HashMap<Vec<u8>, (usize, Option<u64>)> = HashMap::new();
+        let mut definitions = 0usize;
         let mut alias_nodes = 0u64;
         for (event, line) in events {
             let (Event::Scalar(..) | Event::Alias(_) | Event::SequenceStart(_) | Event::MappingStart(_)) =
@@ -1223,8 +1227,13 @@ impl Lines {
                         if frame.pushed {
                             path.pop();
                         }
-                        if let Some(anchor) = frame.anchor {
-                            anchors.insert(anchor, frame.nodes);
+                        if let Some((name, number)) = frame.anchor {
+                            // Unless an inner node took the name over meanwhile.
+                            if let Some((latest, size)) = anchors.get_mut(&name) {
+                                if *latest == number {
+                                    *size = Some(frame.nodes);
+                                }
+                            }
                         }
                         close(&mut frames, None, frame.nodes);
                     }
@@ -1266,6 +1275,11 @@ impl Lines {
                     let pushed = seg.is_some();
                     path.extend(seg);
                     let state = if is_mapping_start { State::Key } else { State::Item(0) };
+                    let anchor = anchor.map(|name| {
+                        definitions += 1;
+                        anchors.insert(name.clone(), (definitions, None));
+                        (name, definitions)
+                    });
                     frames.push(Frame {
                         state,
                         pushed,
@@ -1280,14 +1294,25 @@ impl Lines {
                     }
                 }
                 Event::Scalar(text, anchor) => {
-                    if let Some(anchor) = anchor {
-                        anchors.insert(anchor, 1);
+                    if let Some(name) = anchor {
+                        anchors.insert(name, (0, Some(1)));
                     }
                     close(&mut frames, Some(text).filter(|_| is_key), 1);
                 }
                 Event::Alias(anchor) => {
-                    // An unknown anchor is serde_yaml's error to report.
-                    let nodes = anchors.get(&anchor).copied().unwrap_or(1);
+                    // An unknown anchor is serde_yaml's error to report. An alias inside the
+                    // node it names would expand forever: serde_yaml expands it until its
+                    // nesting limit, copying everything else in the node at every level.
+                    let nodes = match anchors.get(&anchor) {
+                        Some((_, Some(nodes))) => *nodes,
+                        Some((_, None)) => {
+                            let name = String::from_utf8_lossy(&anchor);
+                            index.refused =
+                                Some((line, format!("the alias *{name} is inside the node it names")));
+                            break;
+                        }
+                        None => 1,
+                    };
                     alias_nodes = alias_nodes.saturating_add(nodes);
                     if alias_nodes > MAX_ALIAS_NODES {
                         let message =
@@ -1484,6 +1509,23 @@ mod tests {
         assert_eq!(Lines::index(&uses(100), Vec::new()).refused, None); // 100 * 1000 nodes
         let refused = Lines::index(&uses(101), Vec::new()).refused;
         assert_eq!(refused, Some((2, "the YAML's aliases expand to more than 100000 nodes".to_string())));
+    }
+
+    #[test]
+    fn recursive_aliases_are_refused_and_redefinitions_followed() {
+        let refused = |text: &str| Lines::index(text, Vec::new()).refused.map(|r| r.1);
+        assert_eq!(refused("a: &a [x, *a]\n").as_deref(), Some("the alias *a is inside the node it names"));
+        assert_eq!(
+            refused("a: &a {b: {c: *a}}\n").as_deref(),
+            Some("the alias *a is inside the node it names")
+        );
+        // The inner node took the name over before the alias: not recursive.
+        assert_eq!(refused("a: &a [&a x, *a]\n"), None);
+        assert_eq!(
+            refused("a: &a [x]\nb: &a [*a]\n").as_deref(),
+            Some("the alias *a is inside the node it names")
+        );
+        assert_eq!(refused("a: &a [x]\nb: [*a, *a]\nc: &a y\nd: *a\n"), None);
     }
 
     #[test]

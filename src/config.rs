@@ -4,8 +4,10 @@
 //!
 //! Every problem is collected (not only the first) and each names its YAML path and line.
 //! Values come from `serde_yaml`; as its `Value` has no spans, the line of each key comes from
-//! a second, marked pass over the events of the same libyaml parser (`unsafe_libyaml`, the
-//! crate serde_yaml itself parses with), so both passes always agree on the syntax.
+//! a marked pass over the events of the same libyaml parser (`unsafe_libyaml`, the crate
+//! serde_yaml itself parses with), so both passes agree on the syntax. That pass runs first
+//! and refuses what would make serde_yaml slow or huge: nesting beyond its limit, recursive
+//! aliases, and aliases that expand to more than 10 000 nodes.
 //!
 //! The seed's string coercions are kept: a `dist_config`/`kernel_config` string that starts
 //! with `{` is JSON; inside those mappings (recursively into nested mappings, not lists)
@@ -835,6 +837,10 @@ fn plugin_mapping(
     match value {
         Value::Null => None,
         Value::Mapping(map) => Some(convert_str_dict(map)),
+        Value::Tagged(_) => {
+            cx.err(path, format!("expected a mapping, got {}", describe(value)));
+            None
+        }
         Value::String(text) if text.starts_with('{') => match serde_json::from_str::<Value>(text) {
             Ok(Value::Mapping(map)) => Some(convert_str_dict(&map)),
             Ok(other) => {
@@ -994,11 +1000,10 @@ fn string_list(cx: &mut Cx, path: &Path, value: &Value) -> Option<Vec<String>> {
         cx.err(path, format!("expected a list of strings{example}, got {}", describe(value)));
         return None;
     };
-    let mut out = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        out.push(string(cx, &path.index(i), item)?);
-    }
-    Some(out)
+    // Every bad item is reported, not only the first.
+    let out: Vec<Option<String>> =
+        items.iter().enumerate().map(|(i, item)| string(cx, &path.index(i), item)).collect();
+    out.into_iter().collect()
 }
 
 /// A size: an integer ≥ 1 (`{field} must be positive, got N.`, the seed's ep_size text).

@@ -444,6 +444,12 @@ fn json_in_a_string_that_is_not_json() {
     assert_error(&error("dist_config: 3\n"), "dist_config", 1, "got int.");
     assert_error(&error("dist_config: [name]\n"), "dist_config", 1, "got list.");
     assert_error(&error("dist_config: true\n"), "dist_config", 1, "got bool.");
+    assert_error(
+        &error("dist_config: !plugin {name: fsdpturbo}\n"),
+        "dist_config",
+        1,
+        "expected a mapping, got a value with the unsupported YAML tag !plugin",
+    );
 }
 
 #[test]
@@ -616,6 +622,22 @@ fn type_errors_name_the_type() {
     for (field, path, message) in cases {
         assert_error(&error(&format!("dist_config:\n  name: fsdpturbo\n  {field}\n")), path, 3, message);
     }
+}
+
+#[test]
+fn every_bad_list_item_is_reported() {
+    let errors = errors(
+        "dist_config:\n  name: fsdpturbo\n  hook_modules:\n    - 1\n    - ok\n    - [x]\n    - null\n",
+    );
+    let got: Vec<(&str, Option<usize>)> = errors.iter().map(|e| (e.path.as_str(), e.line)).collect();
+    assert_eq!(
+        got,
+        [
+            ("dist_config.hook_modules[0]", Some(4)),
+            ("dist_config.hook_modules[2]", Some(6)),
+            ("dist_config.hook_modules[3]", Some(7))
+        ]
+    );
 }
 
 #[test]

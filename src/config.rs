@@ -4,8 +4,10 @@
 //!
 //! Every problem is collected (not only the first) and each names its YAML path and line.
 //! Values come from `serde_yaml`; as its `Value` has no spans, the line of each key comes from
-//! a second, marked pass over the events of the same libyaml parser (`unsafe_libyaml`, the
-//! crate serde_yaml itself parses with), so both passes always agree on the syntax.
+//! a marked pass over the events of the same libyaml parser (`unsafe_libyaml`, the crate
+//! serde_yaml itself parses with), so both passes agree on the syntax. That pass runs first
+//! and refuses what would make serde_yaml slow or huge: nesting beyond its limit, recursive
+//! aliases, and aliases that expand to more than 10 000 nodes.
 //!
 //! The seed's string coercions are kept: a `dist_config`/`kernel_config` string that starts
 //! with `{` is JSON; inside those mappings (recursively into nested mappings, not lists)
@@ -346,9 +348,9 @@ fn load_yaml(text: &str, base: Vec<Seg>) -> Result<(Value, Lines), ConfigErrors>
     // The marked pass runs first because it stops one level beyond serde_yaml's nesting limit:
     // libyaml's work per token grows with the flow depth, so deep junk would cost quadratic
     // time in serde_yaml before it reached its own limit (100 KB of `[` took 20 s).
+    // It also refuses alias bombs, which serde_yaml would expand.
     let index = Lines::index(text, base);
-    if let Some(line) = index.too_deep {
-        let message = format!("the YAML nests deeper than {MAX_NESTING} levels");
+    if let Some((line, message)) = index.refused {
         return Err(ConfigErrors(vec![doc_error(Some(line), message)]));
     }
     match serde_yaml::from_str::<Value>(text) {
@@ -363,7 +365,7 @@ fn load_yaml(text: &str, base: Vec<Seg>) -> Result<(Value, Lines), ConfigErrors>
 }
 
 fn yaml_error(index: Index, e: &serde_yaml::Error) -> ConfigError {
-    let message = e.to_string();
+    let message = one_line(&e.to_string());
     if message.contains("duplicate entry") {
         // serde_yaml points at the mapping; find the repeated key itself.
         if let Some((path, first, line)) = index.duplicates.into_iter().next() {
@@ -677,7 +679,8 @@ fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<DistConfig> {
                 None => cx.err(
                     &p,
                     format!(
-                        "Unsupported dispatcher {name}. Supported: {}",
+                        "Unsupported dispatcher {}. Supported: {}",
+                        one_line(&name),
                         py_list(sorted(DISPATCHERS.map(Dispatcher::as_str)))
                     ),
                 ),
@@ -694,8 +697,13 @@ fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<DistConfig> {
         if let Some(name) = string(cx, &p, v) {
             match FsdpImplementation::from_name(&name) {
                 Some(implementation) => d.fsdp_implementation = implementation,
-                None => cx
-                    .err(&p, format!("Unknown FSDP implementation: {name}. Supported: ['custom', 'native']")),
+                None => cx.err(
+                    &p,
+                    format!(
+                        "Unknown FSDP implementation: {}. Supported: ['custom', 'native']",
+                        one_line(&name)
+                    ),
+                ),
             }
         }
     }
@@ -748,7 +756,8 @@ fn kernel_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<KernelConfig
                 cx.err(
                     &p,
                     format!(
-                        "Plugin '{name}' is not registered under KernelPlugin. Known kernels: {}",
+                        "Plugin '{}' is not registered under KernelPlugin. Known kernels: {}",
+                        one_line(name),
                         py_list(KERNEL_NAMES)
                     ),
                 );
@@ -828,6 +837,10 @@ fn plugin_mapping(
     match value {
         Value::Null => None,
         Value::Mapping(map) => Some(convert_str_dict(map)),
+        Value::Tagged(_) => {
+            cx.err(path, format!("expected a mapping, got {}", describe(value)));
+            None
+        }
         Value::String(text) if text.starts_with('{') => match serde_json::from_str::<Value>(text) {
             Ok(Value::Mapping(map)) => Some(convert_str_dict(&map)),
             Ok(other) => {
@@ -987,11 +1000,10 @@ fn string_list(cx: &mut Cx, path: &Path, value: &Value) -> Option<Vec<String>> {
         cx.err(path, format!("expected a list of strings{example}, got {}", describe(value)));
         return None;
     };
-    let mut out = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        out.push(string(cx, &path.index(i), item)?);
-    }
-    Some(out)
+    // Every bad item is reported, not only the first.
+    let out: Vec<Option<String>> =
+        items.iter().enumerate().map(|(i, item)| string(cx, &path.index(i), item)).collect();
+    out.into_iter().collect()
 }
 
 /// A size: an integer ≥ 1 (`{field} must be positive, got N.`, the seed's ep_size text).
@@ -1113,6 +1125,14 @@ fn py_str(s: &str) -> String {
     out
 }
 
+/// Text the seed prints raw (user names, serde_yaml's messages, which may quote keys raw) with
+/// its control characters escaped: a line break would split the one-error-per-line output.
+fn one_line(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
+        .collect()
+}
+
 /// Python's `repr(list_of_str)`.
 fn py_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
     format!("[{}]", items.into_iter().map(py_str).collect::<Vec<_>>().join(", "))
@@ -1146,21 +1166,29 @@ fn key_text(key: &Value) -> String {
 const MAX_INDEXED_DEPTH: usize = 16;
 /// serde_yaml's nesting limit (its `recursion limit exceeded`).
 const MAX_NESTING: usize = 128;
+/// The most nodes that aliases may add by expansion (a real configuration reuses a few small
+/// anchors). serde_yaml bounds the number of alias jumps, not what they copy, so an anchor of n
+/// items used n times cost n² values (14 KB of YAML: 4 million values, 1.3 s; 140 KB: out of
+/// memory), and 70 000 values before its own limit took 35 ms.
+const MAX_ALIAS_NODES: u64 = 10_000;
 
 /// What the marked pass finds.
 struct Index {
     lines: Lines,
     /// Each key written twice in one mapping: (path, first line, repeated line), in order.
     duplicates: Vec<(Vec<Seg>, usize, usize)>,
-    /// The line where the nesting first goes beyond [`MAX_NESTING`] (the pass stops there).
-    too_deep: Option<usize>,
+    /// Why the YAML is refused before serde_yaml reads it, and where (the pass stops there).
+    refused: Option<(usize, String)>,
 }
 
 impl Lines {
     /// The 1-based line of every mapping key (scalar keys) and sequence item down to
-    /// [`MAX_INDEXED_DEPTH`], paths prefixed with `base`. Stops quietly at a syntax error (the
-    /// caller has the error from serde_yaml).
+    /// [`MAX_INDEXED_DEPTH`], paths prefixed with `base`; repeated keys; and a refusal at the
+    /// first nesting beyond [`MAX_NESTING`] or alias expansion beyond [`MAX_ALIAS_NODES`].
+    /// Stops quietly at a syntax error (the caller has the error from serde_yaml).
     fn index(text: &str, base: Vec<Seg>) -> Index {
+        use events::Event;
+
         enum State {
             Key,
             Value(Option<String>),
@@ -1170,9 +1198,15 @@ impl Lines {
             state: State,
             pushed: bool,
             recording: bool,
+            /// Nodes in this collection with aliases expanded, itself included.
+            nodes: u64,
+            /// The anchor on this collection and the number of its definition.
+            anchor: Option<(Vec<u8>, usize)>,
         }
-        fn advance(frames: &mut [Frame], key: Option<String>) {
+        /// A node of `nodes` (expanded) nodes ends: its parent moves on and counts it.
+        fn close(frames: &mut [Frame], key: Option<String>, nodes: u64) {
             if let Some(frame) = frames.last_mut() {
+                frame.nodes = frame.nodes.saturating_add(nodes);
                 frame.state = match frame.state {
                     State::Key => State::Value(key),
                     State::Value(_) => State::Key,
@@ -1181,92 +1215,142 @@ impl Lines {
             }
         }
 
-        let mut lines = HashMap::new();
-        let mut duplicates = Vec::new();
-        let mut too_deep = None;
-        let Some(events) = events::Events::new(text) else {
-            return Index { lines: Lines(lines), duplicates, too_deep };
-        };
+        let mut index = Index { lines: Lines::default(), duplicates: Vec::new(), refused: None };
+        let Some(events) = events::Events::new(text) else { return index };
         let mut path = base;
         let mut frames: Vec<Frame> = Vec::new();
+        // Each anchor's latest definition (defined where its node starts, as serde_yaml's loader
+        // does): its number and its expanded size, None while its node is still open.
+        let mut anchors: HashMap<Vec<u8>, (usize, Option<u64>)> = HashMap::new();
+        let mut definitions = 0usize;
+        let mut alias_nodes = 0u64;
         for (event, line) in events {
-            use events::Event;
-            match event {
-                Event::Scalar(_) | Event::Alias | Event::SequenceStart | Event::MappingStart => {
-                    let recording =
-                        frames.last().is_none_or(|f| f.recording) && path.len() < MAX_INDEXED_DEPTH;
-                    let (is_key, seg) = match frames.last().map(|f| &f.state) {
-                        None => (false, None),
-                        Some(State::Key) => (true, None),
-                        Some(State::Value(key)) => (false, key.clone().map(Seg::Key)),
-                        Some(State::Item(i)) => (false, Some(Seg::Index(*i))),
-                    };
-                    let mut record = |at: Vec<Seg>| {
-                        if let Some(&first) = lines.get(&at) {
-                            duplicates.push((at, first, line));
-                        } else {
-                            lines.insert(at, line);
+            let (Event::Scalar(..) | Event::Alias(_) | Event::SequenceStart(_) | Event::MappingStart(_)) =
+                event
+            else {
+                if let Event::SequenceEnd | Event::MappingEnd = event {
+                    if let Some(frame) = frames.pop() {
+                        if frame.pushed {
+                            path.pop();
                         }
-                    };
-                    match (&event, &seg) {
-                        (Event::Scalar(key), _) if recording && is_key => {
-                            record(path.iter().cloned().chain([Seg::Key(key.clone())]).collect())
-                        }
-                        (_, Some(Seg::Index(_))) if recording => {
-                            record(path.iter().cloned().chain(seg.clone()).collect())
-                        }
-                        (_, None) if recording && frames.is_empty() && !path.is_empty() => {
-                            record(path.clone())
-                        }
-                        _ => {}
-                    }
-                    match event {
-                        Event::SequenceStart | Event::MappingStart => {
-                            let root = frames.is_empty();
-                            let pushed = seg.is_some();
-                            path.extend(seg);
-                            let state = if matches!(event, Event::MappingStart) {
-                                State::Key
-                            } else {
-                                State::Item(0)
-                            };
-                            frames.push(Frame { state, pushed, recording: recording && (pushed || root) });
-                            if frames.len() > MAX_NESTING {
-                                too_deep = Some(line);
-                                break;
+                        if let Some((name, number)) = frame.anchor {
+                            // Unless an inner node took the name over meanwhile.
+                            if let Some((latest, size)) = anchors.get_mut(&name) {
+                                if *latest == number {
+                                    *size = Some(frame.nodes);
+                                }
                             }
                         }
-                        Event::Scalar(text) => advance(&mut frames, Some(text).filter(|_| is_key)),
-                        _ => advance(&mut frames, None),
+                        close(&mut frames, None, frame.nodes);
                     }
                 }
-                Event::SequenceEnd | Event::MappingEnd => {
-                    if frames.pop().is_some_and(|f| f.pushed) {
-                        path.pop();
-                    }
-                    advance(&mut frames, None);
+                continue;
+            };
+
+            // Where the node sits in its parent, and its line if it is a key or a list item.
+            let recording = frames.last().is_none_or(|f| f.recording) && path.len() < MAX_INDEXED_DEPTH;
+            let (is_key, seg) = match frames.last().map(|f| &f.state) {
+                None => (false, None),
+                Some(State::Key) => (true, None),
+                Some(State::Value(key)) => (false, key.clone().map(Seg::Key)),
+                Some(State::Item(i)) => (false, Some(Seg::Index(*i))),
+            };
+            let at = match (&event, &seg) {
+                (Event::Scalar(key, _), _) if recording && is_key => {
+                    Some(path.iter().cloned().chain([Seg::Key(key.clone())]).collect())
                 }
-                Event::Other => {}
+                (_, Some(Seg::Index(_))) if recording => {
+                    Some(path.iter().cloned().chain(seg.clone()).collect())
+                }
+                (_, None) if recording && frames.is_empty() && !path.is_empty() => Some(path.clone()),
+                _ => None,
+            };
+            if let Some(at) = at {
+                match index.lines.0.get(&at) {
+                    Some(&first) => index.duplicates.push((at, first, line)),
+                    None => {
+                        index.lines.0.insert(at, line);
+                    }
+                }
+            }
+
+            let is_mapping_start = matches!(event, Event::MappingStart(_));
+            match event {
+                Event::SequenceStart(anchor) | Event::MappingStart(anchor) => {
+                    let root = frames.is_empty();
+                    let pushed = seg.is_some();
+                    path.extend(seg);
+                    let state = if is_mapping_start { State::Key } else { State::Item(0) };
+                    let anchor = anchor.map(|name| {
+                        definitions += 1;
+                        anchors.insert(name.clone(), (definitions, None));
+                        (name, definitions)
+                    });
+                    frames.push(Frame {
+                        state,
+                        pushed,
+                        recording: recording && (pushed || root),
+                        nodes: 1,
+                        anchor,
+                    });
+                    if frames.len() > MAX_NESTING {
+                        index.refused =
+                            Some((line, format!("the YAML nests deeper than {MAX_NESTING} levels")));
+                        break;
+                    }
+                }
+                Event::Scalar(text, anchor) => {
+                    if let Some(name) = anchor {
+                        anchors.insert(name, (0, Some(1)));
+                    }
+                    close(&mut frames, Some(text).filter(|_| is_key), 1);
+                }
+                Event::Alias(anchor) => {
+                    // An unknown anchor is serde_yaml's error to report. An alias inside the
+                    // node it names would expand forever: serde_yaml expands it until its
+                    // nesting limit, copying everything else in the node at every level.
+                    let nodes = match anchors.get(&anchor) {
+                        Some((_, Some(nodes))) => *nodes,
+                        Some((_, None)) => {
+                            let name = String::from_utf8_lossy(&anchor);
+                            index.refused =
+                                Some((line, format!("the alias *{name} is inside the node it names")));
+                            break;
+                        }
+                        None => 1,
+                    };
+                    alias_nodes = alias_nodes.saturating_add(nodes);
+                    if alias_nodes > MAX_ALIAS_NODES {
+                        let message =
+                            format!("the YAML's aliases expand to more than {MAX_ALIAS_NODES} nodes");
+                        index.refused = Some((line, message));
+                        break;
+                    }
+                    close(&mut frames, None, nodes);
+                }
+                _ => {}
             }
         }
-        Index { lines: Lines(lines), duplicates, too_deep }
+        index
     }
 }
 
 /// A safe iterator over the events of libyaml (`unsafe_libyaml`, the parser serde_yaml uses),
 /// with the 1-based line where each starts.
 mod events {
+    use std::ffi::CStr;
     use std::marker::PhantomData;
     use std::mem::MaybeUninit;
 
     use unsafe_libyaml as unsafe_yaml;
 
+    /// An event; anchors are the names after `&` (on a node) or `*` (an alias).
     pub(super) enum Event {
-        Scalar(String),
-        Alias,
-        SequenceStart,
+        Scalar(String, Option<Vec<u8>>),
+        Alias(Vec<u8>),
+        SequenceStart(Option<Vec<u8>>),
         SequenceEnd,
-        MappingStart,
+        MappingStart(Option<Vec<u8>>),
         MappingEnd,
         Other,
     }
@@ -1298,6 +1382,14 @@ mod events {
         }
     }
 
+    /// A NUL-terminated anchor name owned by an event, or NULL.
+    ///
+    /// SAFETY: `ptr` is NULL or points to a NUL-terminated string alive for the call.
+    unsafe fn anchor(ptr: *const u8) -> Option<Vec<u8>> {
+        // SAFETY: as documented by the caller's contract.
+        (!ptr.is_null()).then(|| unsafe { CStr::from_ptr(ptr.cast()) }.to_bytes().to_vec())
+    }
+
     impl Iterator for Events<'_> {
         type Item = (Event, usize);
 
@@ -1308,7 +1400,8 @@ mod events {
             }
             let mut raw = MaybeUninit::<unsafe_yaml::yaml_event_t>::uninit();
             // SAFETY: the parser was initialised in `new`; on success `raw` holds an event that
-            // we read according to its type and then delete exactly once.
+            // we read according to its type (libyaml's strings are NUL-terminated, the scalar
+            // value has its length) and then delete exactly once.
             unsafe {
                 if unsafe_yaml::yaml_parser_parse(self.parser.as_mut_ptr(), raw.as_mut_ptr()).fail {
                     self.done = true;
@@ -1316,20 +1409,27 @@ mod events {
                 }
                 let raw = raw.as_mut_ptr();
                 let line = usize::try_from((*raw).start_mark.line).unwrap_or(usize::MAX).saturating_add(1);
+                let data = &(*raw).data;
                 let event = match (*raw).type_ {
                     unsafe_yaml::YAML_SCALAR_EVENT => {
-                        let scalar = (*raw).data.scalar;
+                        let scalar = data.scalar;
                         let bytes = if scalar.value.is_null() || scalar.length == 0 {
                             &[][..]
                         } else {
                             std::slice::from_raw_parts(scalar.value, scalar.length as usize)
                         };
-                        Event::Scalar(String::from_utf8_lossy(bytes).into_owned())
+                        Event::Scalar(String::from_utf8_lossy(bytes).into_owned(), anchor(scalar.anchor))
                     }
-                    unsafe_yaml::YAML_ALIAS_EVENT => Event::Alias,
-                    unsafe_yaml::YAML_SEQUENCE_START_EVENT => Event::SequenceStart,
+                    unsafe_yaml::YAML_ALIAS_EVENT => {
+                        Event::Alias(anchor(data.alias.anchor).unwrap_or_default())
+                    }
+                    unsafe_yaml::YAML_SEQUENCE_START_EVENT => {
+                        Event::SequenceStart(anchor(data.sequence_start.anchor))
+                    }
                     unsafe_yaml::YAML_SEQUENCE_END_EVENT => Event::SequenceEnd,
-                    unsafe_yaml::YAML_MAPPING_START_EVENT => Event::MappingStart,
+                    unsafe_yaml::YAML_MAPPING_START_EVENT => {
+                        Event::MappingStart(anchor(data.mapping_start.anchor))
+                    }
                     unsafe_yaml::YAML_MAPPING_END_EVENT => Event::MappingEnd,
                     unsafe_yaml::YAML_STREAM_END_EVENT | unsafe_yaml::YAML_NO_EVENT => {
                         self.done = true;
@@ -1399,9 +1499,39 @@ mod tests {
     #[test]
     fn nesting_beyond_the_limit_stops_the_pass() {
         let ok = format!("{}{}", "[".repeat(MAX_NESTING), "]".repeat(MAX_NESTING));
-        assert_eq!(Lines::index(&ok, Vec::new()).too_deep, None);
+        assert_eq!(Lines::index(&ok, Vec::new()).refused, None);
         let deep = format!("a:\n {}{}", "[".repeat(MAX_NESTING), "]".repeat(MAX_NESTING));
-        assert_eq!(Lines::index(&deep, Vec::new()).too_deep, Some(2));
+        let refused = Lines::index(&deep, Vec::new()).refused;
+        assert_eq!(refused, Some((2, "the YAML nests deeper than 128 levels".to_string())));
+    }
+
+    #[test]
+    fn alias_expansion_is_counted_through_nested_anchors() {
+        // &a is 4 nodes (the list and 3 items); &b holds two aliases of it: 1 + 8 = 9 nodes.
+        let text = "a: &a [x, y, z]\nb: &b [*a, *a]\nc: *b\n";
+        assert_eq!(Lines::index(text, Vec::new()).refused, None);
+        let uses =
+            |n: usize| format!("a: &a [{}]\nb: [{}]\n", vec!["x"; 99].join(", "), vec!["*a"; n].join(", "));
+        assert_eq!(Lines::index(&uses(100), Vec::new()).refused, None); // 100 * 100 nodes
+        let refused = Lines::index(&uses(101), Vec::new()).refused;
+        assert_eq!(refused, Some((2, "the YAML's aliases expand to more than 10000 nodes".to_string())));
+    }
+
+    #[test]
+    fn recursive_aliases_are_refused_and_redefinitions_followed() {
+        let refused = |text: &str| Lines::index(text, Vec::new()).refused.map(|r| r.1);
+        assert_eq!(refused("a: &a [x, *a]\n").as_deref(), Some("the alias *a is inside the node it names"));
+        assert_eq!(
+            refused("a: &a {b: {c: *a}}\n").as_deref(),
+            Some("the alias *a is inside the node it names")
+        );
+        // The inner node took the name over before the alias: not recursive.
+        assert_eq!(refused("a: &a [&a x, *a]\n"), None);
+        assert_eq!(
+            refused("a: &a [x]\nb: &a [*a]\n").as_deref(),
+            Some("the alias *a is inside the node it names")
+        );
+        assert_eq!(refused("a: &a [x]\nb: [*a, *a]\nc: &a y\nd: *a\n"), None);
     }
 
     #[test]

@@ -444,6 +444,12 @@ fn json_in_a_string_that_is_not_json() {
     assert_error(&error("dist_config: 3\n"), "dist_config", 1, "got int.");
     assert_error(&error("dist_config: [name]\n"), "dist_config", 1, "got list.");
     assert_error(&error("dist_config: true\n"), "dist_config", 1, "got bool.");
+    assert_error(
+        &error("dist_config: !plugin {name: fsdpturbo}\n"),
+        "dist_config",
+        1,
+        "expected a mapping, got a value with the unsupported YAML tag !plugin",
+    );
 }
 
 #[test]
@@ -619,6 +625,22 @@ fn type_errors_name_the_type() {
 }
 
 #[test]
+fn every_bad_list_item_is_reported() {
+    let errors = errors(
+        "dist_config:\n  name: fsdpturbo\n  hook_modules:\n    - 1\n    - ok\n    - [x]\n    - null\n",
+    );
+    let got: Vec<(&str, Option<usize>)> = errors.iter().map(|e| (e.path.as_str(), e.line)).collect();
+    assert_eq!(
+        got,
+        [
+            ("dist_config.hook_modules[0]", Some(4)),
+            ("dist_config.hook_modules[2]", Some(6)),
+            ("dist_config.hook_modules[3]", Some(7))
+        ]
+    );
+}
+
+#[test]
 fn list_items_are_checked_with_their_own_line() {
     let e = error("dist_config:\n  name: fsdpturbo\n  hook_modules:\n    - a\n    - 7\n");
     assert_error(&e, "dist_config.hook_modules[1]", 5, "expected a string, got integer 7");
@@ -765,6 +787,21 @@ fn anchors_aliases_and_merge_keys_are_followed() {
     // An error reached through an alias points at the key that uses it.
     let e = error("defaults: &d {name: fsdpturbo, ep_size: 0}\nmodel: m\ndist_config: *d\n");
     assert_error(&e, "dist_config.ep_size", 3, "ep_size must be positive, got 0.");
+}
+
+#[test]
+fn alias_bombs_are_refused_before_expansion() {
+    // An anchor of n items used n times: n² values for serde_yaml (4 million here, and out of
+    // memory at 10 times the size) if it were let through.
+    let n = 2000;
+    let yaml = format!("model: m\na: &a [{}]\nb: [{}]\n", vec!["x"; n].join(", "), vec!["*a"; n].join(", "));
+    let start = std::time::Instant::now();
+    let e = error(&yaml);
+    assert_eq!((e.line, e.message.as_str()), (Some(3), "the YAML's aliases expand to more than 10000 nodes"));
+    assert!(start.elapsed() < std::time::Duration::from_secs(5), "{:?}", start.elapsed());
+    // Ordinary reuse is fine: 50 uses of a 100-node anchor.
+    let yaml = format!("a: &a [{}]\nb: [{}]\n", vec!["x"; 99].join(", "), vec!["*a"; 50].join(", "));
+    assert_eq!(ok(&yaml), TrainConfig::default());
 }
 
 #[test]
@@ -1143,4 +1180,19 @@ mod c_abi {
         assert_eq!(json(cfg)["dist"], serde_json::Value::Null);
         fsdpturbo_config_free(cfg);
     }
+}
+
+#[test]
+fn each_error_stays_on_one_line_whatever_the_input() {
+    // Control characters in what the seed prints raw are escaped.
+    let yaml = "dist_config:\n  name: fsdpturbo\n  ep_dispatcher: \"a\\nb\"\n  fsdp_implementation: \"x\\ry\"\n  \
+                \"odd\\nkey\": 1\nkernel_config:\n  name: \"auto, li\\nger\"\n";
+    let errors = errors(yaml);
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    let text = ConfigErrors(errors).to_string();
+    assert_eq!(text.lines().count(), 4, "{text}");
+    assert!(text.contains("Unsupported dispatcher a\\nb."), "{text}");
+    assert!(text.contains("Unknown FSDP implementation: x\\ry."), "{text}");
+    assert!(text.contains("Plugin 'li\\nger' is not registered"), "{text}");
+    assert!(text.contains("dist_config['odd\\nkey'] (line 5): Unknown params for DistributedPlugin.FSDPTurboParams: ['odd\\nkey']"), "{text}");
 }

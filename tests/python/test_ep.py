@@ -119,3 +119,46 @@ def test_experts_equal_ep_one_local_expert():
 
 def test_f32_within_tolerance():
     run_ranks(_ep_rank_fn, 4, 2, "eager", 8, 2, "float32", "router")
+
+
+def _bad_ids_rank_fn(rank, world):
+    block = _block(4, 2, torch.float64)
+    state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
+    expert_parallelize_modules(block, state.sub_mesh("ep"), EPPlanConfig(apply_modules=["experts"], dispatcher="eager"))
+    x = torch.randn(3, 16, dtype=torch.float64)
+    index = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    if rank == 1:
+        index[2, 1] = 4  # one past the last expert
+    with pytest.raises(ValueError) as raised:
+        block.experts(x, index, torch.full((3, 2), 0.5, dtype=torch.float64))
+    if rank == 1:
+        assert "expert id 4 at token 2, slot 1 is outside [0, 4)" in str(raised.value)
+    else:
+        assert "expert ids outside [0, 4) on rank(s) [1]" in str(raised.value)
+
+
+def test_out_of_range_ids_fail_on_every_rank_without_hanging():
+    run_ranks(_bad_ids_rank_fn, 2, timeout=120)
+
+
+def _zero_tokens_rank_fn(rank, world):
+    """Rank 0 has no tokens at all; rank 1 routes everything to rank 0's experts."""
+    block = _block(4, 2, torch.float64)
+    reference = _block(4, 2, torch.float64)
+    state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
+    expert_parallelize_modules(block, state.sub_mesh("ep"), EPPlanConfig(apply_modules=["experts"], dispatcher="domino"))
+    tokens = 0 if rank == 0 else 3
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 16, generator=g, dtype=torch.float64)[:tokens]
+    index = torch.tensor([[0, 1]] * tokens, dtype=torch.int64)
+    weights = torch.full((tokens, 2), 0.5, dtype=torch.float64)
+    out = block.experts(x, index, weights)
+    out.sum().backward()
+    # HF's own experts loop cannot take zero tokens (one_hot of an empty index); nothing is the answer.
+    expected = reference.experts(x, index, weights) if tokens else torch.zeros(0, 16, dtype=torch.float64)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert block.experts.gate_up_proj.grad is not None  # every rank takes part in the backward
+
+
+def test_rank_with_zero_tokens_and_ranks_that_receive_nothing():
+    run_ranks(_zero_tokens_rank_fn, 2)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fsdpturbo
+import fsdpturbo.ep
 from dist_util import run_ranks
 
 
@@ -81,3 +82,13 @@ def test_ops_raise_clear_errors():
         ops.power_sum([torch.ones(3, dtype=torch.int32)], 2.0)
     with pytest.raises(ValueError, match=r"norm_type"):
         ops.power_sum([torch.ones(3)], 0.0)
+
+
+def test_seed_import_paths():
+    from fsdp_turbo.distributed.expert_parallel.expert_parallel import expert_parallelize_modules
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+    from fsdp_turbo.utils.str_match import module_name_match
+
+    assert module_name_match("model.layers.{*}.mlp.experts", "model.layers.12.mlp.experts")
+    assert EPPlanConfig(apply_modules=["x"]).dispatcher is None
+    assert expert_parallelize_modules is fsdpturbo.ep.expert_parallelize_modules

@@ -228,15 +228,16 @@ def _compute(module, received, route):
 
 def _combine(y, route, weights, tokens, top_k, ep_group):
     back = _all_to_all(y, route.input_splits, route.output_splits, ep_group)
-    per_slot = back.index_select(0, _inverse(route.sorted_index)).view(tokens, top_k, -1)
+    per_slot = back.index_select(0, _inverse(route.sorted_index)).view(tokens, top_k, back.size(-1))
     return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1)
 
 
 def _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
     hidden = hidden_states.reshape(-1, hidden_states.size(-1))
     top_k_index, top_k_weights = normalize_expert_args(top_k_index, top_k_weights)
-    top_k_index = top_k_index.reshape(hidden.size(0), -1)
-    top_k_weights = top_k_weights.reshape(hidden.size(0), -1)
+    top_k = top_k_index.size(-1) if top_k_index.dim() > 1 else 1
+    top_k_index = top_k_index.reshape(hidden.size(0), top_k)
+    top_k_weights = top_k_weights.reshape(hidden.size(0), top_k)
     if fixed_router:
         top_k_index, top_k_weights = fixed_router_for_debug(top_k_index, top_k_weights, module.num_global_experts)
     return hidden, top_k_index, top_k_weights

@@ -1,0 +1,1 @@
+"""fsdp_turbo.distributed (compatibility paths)."""

@@ -1,0 +1,1 @@
+"""fsdp_turbo.distributed.expert_parallel (compatibility paths)."""

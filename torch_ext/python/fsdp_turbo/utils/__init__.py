@@ -1,0 +1,1 @@
+"""fsdp_turbo.utils (compatibility paths)."""

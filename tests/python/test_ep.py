@@ -11,15 +11,22 @@ from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 TOKENS_PER_RANK = 5
 
 
-def _block(num_experts, top_k, dtype, seed=0):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
+def _block(num_experts, top_k, dtype, seed=0, family="qwen3_moe"):
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=num_experts,
-                            num_experts_per_tok=top_k, norm_topk_prob=True)
+    if family == "qwen3_5_moe":  # with a shared expert and its gate, which stay local
+        from transformers import Qwen3_5MoeTextConfig
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
+
+        config = Qwen3_5MoeTextConfig(hidden_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                                      num_experts=num_experts, num_experts_per_tok=top_k)
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=num_experts,
+                                num_experts_per_tok=top_k, norm_topk_prob=True)
     config._experts_implementation = "eager"  # HF's per-expert loop: the plainest reference
-    block = Qwen3MoeSparseMoeBlock(config).to(dtype)
+    block = Block(config).to(dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn_like(p) * 0.5)
@@ -33,8 +40,8 @@ def _data(world, dtype, seed=1):
     return x, cotangent
 
 
-def _reference(num_experts, top_k, dtype, world, route_override):
-    block = _block(num_experts, top_k, dtype)
+def _reference(num_experts, top_k, dtype, world, route_override, family):
+    block = _block(num_experts, top_k, dtype, family=family)
     x, cotangent = _data(world, dtype)
     x.requires_grad_(True)
     if route_override is not None:
@@ -59,11 +66,11 @@ def _override_router(block, index_fn):
     gate.forward = forward
 
 
-def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, route_name):
+def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, route_name, family="qwen3_moe"):
     dtype = getattr(torch, dtype_name)
     route_override = ROUTES[route_name]
-    ref_out, ref_xgrad, ref_grads = _reference(num_experts, top_k, dtype, world, route_override)
-    block = _block(num_experts, top_k, dtype)
+    ref_out, ref_xgrad, ref_grads = _reference(num_experts, top_k, dtype, world, route_override, family)
+    block = _block(num_experts, top_k, dtype, family=family)
     if route_override is not None:
         _override_router(block, lambda t: route_override(world * TOKENS_PER_RANK)[rank * t:(rank + 1) * t])
     state = fsdpturbo.ParallelState(world, ep_size=ep).init_device_meshes("cpu")
@@ -80,9 +87,13 @@ def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, rou
     tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.detach(), ref_out[rows], **tol)
     torch.testing.assert_close(x.grad, ref_xgrad[rows], **tol)
-    router = block.gate.weight.grad.clone()
-    dist.all_reduce(router)
-    torch.testing.assert_close(router, ref_grads["gate.weight"], **tol)
+    # Router and shared-expert parameters stay local: their gradients summed over all ranks.
+    for name, param in block.named_parameters():
+        if name.startswith("experts."):
+            continue
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, ref_grads[name], **tol)
     # Expert gradients: summed over the ranks holding the same experts (the replicas).
     replicas = state.sub_mesh("efsdp").get_group()
     local = num_experts // ep
@@ -115,6 +126,11 @@ def test_edge_routes(route):
 
 def test_experts_equal_ep_one_local_expert():
     run_ranks(_ep_rank_fn, 4, 4, "eager", 4, 2, "float64", "router")
+
+
+@pytest.mark.parametrize("dispatcher", ["eager", "domino"])
+def test_qwen3_5_block_with_shared_expert(dispatcher):
+    run_ranks(_ep_rank_fn, 4, 2, dispatcher, 8, 2, "float64", "router", "qwen3_5_moe")
 
 
 def test_f32_within_tolerance():

@@ -13,7 +13,8 @@ as a model's do):
     `torch.nn.utils.clip_grad_norm_(foreach=True)` (gradients restored, untimed, before each
     repetition, so every repetition reads and scales the same data).
 GB/s counts the gradient bytes read once (a clip also writes them: its GB/s is bytes / time, not
-traffic). Ratios are against torch's foreach path, measured in the same run. Medians of `--reps`.
+traffic). Ratios are against torch's foreach path, measured in the same run; the cases run
+interleaved, round after round, and the table gives the median and the minimum of `--reps`.
 """
 import argparse
 import os
@@ -37,17 +38,21 @@ def _make(n_tensors, total_bytes, dtype, seed=0):
     return [torch.randn(int(n), generator=gen).to(dtype) * 1e-3 for n in sizes]
 
 
-def _time(fn, reps, setup=None):
-    times = []
-    for i in range(reps + 2):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if i >= 2:  # two warm-up runs
-            times.append(dt)
-    return statistics.median(times)
+def _time_interleaved(cases, reps):
+    """Runs every case once per round, `reps` rounds after two warm-up rounds, so that load
+    changes on a shared machine hit every case alike. cases: [(fn, setup or None)]. Returns,
+    per case, (median, min) seconds."""
+    times = [[] for _ in cases]
+    for r in range(reps + 2):
+        for i, (fn, setup) in enumerate(cases):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if r >= 2:
+                times[i].append(dt)
+    return [(statistics.median(t), min(t)) for t in times]
 
 
 def main():
@@ -75,10 +80,6 @@ def main():
     exact = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
     values = {"power_sum": float(ours_norm()), "_foreach_norm": float(foreach_norm()), "loop": float(loop_norm())}
 
-    rows = [("p-norm: fsdpturbo power_sum", _time(ours_norm, args.reps), values["power_sum"]),
-            ("p-norm: torch._foreach_norm + sum", _time(foreach_norm, args.reps), values["_foreach_norm"]),
-            ("p-norm: per-parameter vector_norm", _time(loop_norm, args.reps), values["loop"])]
-
     # Whole clip, single rank: parameters holding the gradients; restore before each repetition.
     saved = [g.clone() for g in grads]
     params = []
@@ -99,25 +100,28 @@ def main():
     def torch_clip():
         clip_values["torch"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
-    rows.append(("clip: fsdpturbo.clip_grad_norm_", _time(ours_clip, args.reps, restore), None))
-    rows.append(("clip: torch clip_grad_norm_(foreach=True)", _time(torch_clip, args.reps, restore), None))
+    names = ["p-norm: fsdpturbo power_sum", "p-norm: torch._foreach_norm + sum",
+             "p-norm: per-parameter vector_norm", "clip: fsdpturbo.clip_grad_norm_",
+             "clip: torch clip_grad_norm_(foreach=True)"]
+    timings = _time_interleaved([(ours_norm, None), (foreach_norm, None), (loop_norm, None),
+                                 (ours_clip, restore), (torch_clip, restore)], args.reps)
 
     print(f"# grad-norm benchmark: {args.tensors} tensors, {gbytes * 1e3:.0f} MB of {args.dtype}, "
-          f"median of {args.reps}")
-    print(f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}, cpu_count {os.cpu_count()}, "
-          f"fsdpturbo {fsdpturbo.__version__}")
+          f"{args.reps} interleaved rounds")
+    print(f"# torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+          f"cpus usable {len(os.sched_getaffinity(0))} of {os.cpu_count()}, "
+          f"load average {os.getloadavg()[0]:.1f}, fsdpturbo {fsdpturbo.__version__}")
     print(f"# exact (f64) norm {exact:.9g}; power_sum {values['power_sum']:.9g} "
           f"(rel {abs(values['power_sum'] - exact) / exact:.1e}); _foreach_norm {values['_foreach_norm']:.9g} "
           f"(rel {abs(values['_foreach_norm'] - exact) / exact:.1e}); clip: ours {clip_values['ours']:.9g}, "
           f"torch {clip_values['torch']:.9g}")
     print()
-    print("| what | ms | GB/s | × torch foreach |")
-    print("|---|---:|---:|---:|")
-    ref_norm = rows[1][1]
-    ref_clip = rows[4][1]
-    for i, (name, t, _) in enumerate(rows):
-        ref = ref_norm if i < 3 else ref_clip
-        print(f"| {name} | {t * 1e3:.1f} | {gbytes / t:.1f} | {ref / t:.2f} |")
+    print("| what | median ms | min ms | GB/s (median) | × torch foreach (median) | × (min) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for i, (name, (med, best)) in enumerate(zip(names, timings)):
+        ref_med, ref_best = timings[1] if i < 3 else timings[4]
+        print(f"| {name} | {med * 1e3:.1f} | {best * 1e3:.1f} | {gbytes / med:.1f} | {ref_med / med:.2f} | "
+              f"{ref_best / best:.2f} |")
 
 
 if __name__ == "__main__":

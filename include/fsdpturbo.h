@@ -588,6 +588,136 @@ int32_t fsdpturbo_topology_group(const fsdpturbo_topology_t *topology,
                                  size_t capacity,
                                  size_t *out_len);
 
+// Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
+// `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
+// gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
+// - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;
+// - `permutation[tokens * top_k]`: the flat slot indices `t * top_k + k` sorted by expert,
+//   ties in flat order (a stable sort: the seed's `sorted`); permuted row i is token
+//   `permutation[i] / top_k`;
+// - `input_splits[P]`: the rows this rank sends to each ep rank.
+//
+// Ids outside [0, E) are rejected (the message names the id and its token and k), as are a
+// zero `top_k`, `num_experts` or `ep_size`. Zero tokens are fine (NULL arrays then allowed for
+// `expert_ids` and `permutation`).
+int32_t fsdpturbo_route(const int64_t *expert_ids,
+                        size_t tokens,
+                        size_t top_k,
+                        size_t num_experts,
+                        size_t ep_size,
+                        uint64_t *tokens_per_expert,
+                        uint64_t *permutation,
+                        uint64_t *input_splits);
+
+// What this rank (`rank` in its ep group of `ep_size` = P) receives in the dispatch
+// all-to-all, from the all-gathered counts `gathered_counts[P * num_experts]` (row s = the
+// `tokens_per_expert` of ep rank s). With L = num_experts / P local experts and N the rows
+// received, writes:
+// - `tokens_per_local_expert[L]` and `output_splits[P]` (rows from each ep rank);
+// - `local_expert_of_row[N]`: the local expert of each received row, in receive order (source
+//   rank-major, then local expert: the seed's `global_indices`);
+// - `chunk_order[N]`: the second stable sort, `chunk_order[i]` = the receive-order row that
+//   goes to local-expert-major position i; `chunk_order_inverse[N]`: its inverse.
+//
+// `*rows_out` always receives N once the arguments are valid; when N exceeds `rows_cap` (the
+// capacity of each of the three row buffers) the status is FSDPTURBO_ERR_BUFFER_TOO_SMALL and
+// nothing else is written. Works for L = 1 (experts == ep).
+int32_t fsdpturbo_route_receive(const uint64_t *gathered_counts,
+                                size_t ep_size,
+                                size_t num_experts,
+                                size_t rank,
+                                uint64_t *tokens_per_local_expert,
+                                uint64_t *output_splits,
+                                uint64_t *local_expert_of_row,
+                                size_t rows_cap,
+                                size_t *rows_out,
+                                uint64_t *chunk_order,
+                                uint64_t *chunk_order_inverse);
+
+// Row gather: `dst[i, :] = src[rows[i] / row_divisor, :]` for row-major `src` of `hidden`
+// columns (`src_bytes` must be a whole number of rows) and `dst[n_rows, hidden]`
+// (`dst_bytes` must be exactly `n_rows * hidden` elements). `row_divisor` 1 is a plain gather;
+// `top_k` with the `permutation` of fsdpturbo_route gathers the permuted tokens (the seed's
+// `permute`), and with the permutation of the received rows (`chunk_order`) and 1 it is the
+// second-level permute. The element type only sets the row size (any FSDPTURBO_DTYPE_*).
+// Rows outside `src` are rejected before anything is written.
+int32_t fsdpturbo_permute_rows(int32_t dtype,
+                               const void *src,
+                               size_t src_bytes,
+                               size_t hidden,
+                               const uint64_t *rows,
+                               size_t n_rows,
+                               size_t row_divisor,
+                               void *dst,
+                               size_t dst_bytes);
+
+// The combine unpermute: `out[t, :] = sum over k of probs[t, k] * permuted[inv[t * top_k + k], :]`,
+// where `inv` inverts `permutation` (fsdpturbo_route's, a permutation of 0..tokens*top_k) and
+// `permuted[tokens * top_k, hidden]` is in permuted order; `out[tokens, hidden]`. `probs`
+// (`[tokens, top_k]`, same element type, `probs_bytes` exactly that) may be NULL with
+// `probs_bytes` 0: every weight is then 1 (with top_k 1 this inverts fsdpturbo_permute_rows).
+// Deterministic: the sum runs over k in k order in f32 (double for F64 data) and is rounded
+// once; bf16/f16 results round to nearest even. A `permutation` that is not a permutation is
+// rejected.
+int32_t fsdpturbo_unpermute(int32_t dtype,
+                            const void *permuted,
+                            size_t permuted_bytes,
+                            size_t hidden,
+                            const uint64_t *permutation,
+                            size_t tokens,
+                            size_t top_k,
+                            const void *probs,
+                            size_t probs_bytes,
+                            void *out,
+                            size_t out_bytes);
+
+// Grouped matmul (the experts' GEMM): `x[N, in_features]` holds `group_rows[g]` consecutive
+// rows for each of the `groups` groups (N = sum of group_rows), `weight[groups, out_features,
+// in_features]` (the HF expert layout), and `y[rows of g] = x[rows of g] @ weight[g]^T`,
+// `y[N, out_features]`. One element type for all buffers (F32, F64, BF16, F16; bf16/f16
+// accumulate in f32); `*_bytes` must match the shapes exactly. Empty groups are fine. Large
+// problems use all cores; results do not depend on the thread count.
+int32_t fsdpturbo_grouped_matmul(int32_t dtype,
+                                 const void *x,
+                                 size_t x_bytes,
+                                 const uint64_t *group_rows,
+                                 size_t groups,
+                                 size_t in_features,
+                                 size_t out_features,
+                                 const void *weight,
+                                 size_t weight_bytes,
+                                 void *y,
+                                 size_t y_bytes);
+
+// The input gradient of fsdpturbo_grouped_matmul: `grad_x[rows of g] = grad_y[rows of g] @
+// weight[g]`, `grad_y[N, out_features]`, `grad_x[N, in_features]`; shapes and types as there.
+int32_t fsdpturbo_grouped_matmul_grad_input(int32_t dtype,
+                                            const void *grad_y,
+                                            size_t grad_y_bytes,
+                                            const uint64_t *group_rows,
+                                            size_t groups,
+                                            size_t in_features,
+                                            size_t out_features,
+                                            const void *weight,
+                                            size_t weight_bytes,
+                                            void *grad_x,
+                                            size_t grad_x_bytes);
+
+// The weight gradient of fsdpturbo_grouped_matmul: `grad_weight[g] = grad_y[rows of g]^T @
+// x[rows of g]`, `grad_weight[groups, out_features, in_features]`, zero for empty groups;
+// shapes and types as there.
+int32_t fsdpturbo_grouped_matmul_grad_weight(int32_t dtype,
+                                             const void *grad_y,
+                                             size_t grad_y_bytes,
+                                             const void *x,
+                                             size_t x_bytes,
+                                             const uint64_t *group_rows,
+                                             size_t groups,
+                                             size_t in_features,
+                                             size_t out_features,
+                                             void *grad_weight,
+                                             size_t grad_weight_bytes);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

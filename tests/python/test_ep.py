@@ -114,21 +114,22 @@ ROUTES = {
 
 
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (4, 4), (6, 2)])
-@pytest.mark.parametrize("dispatcher", ["eager", "domino"])
+@pytest.mark.parametrize("dispatcher", ["eager", "fused", "domino"])
 def test_ep_block_equals_single_process_f64(world, ep, dispatcher):
     run_ranks(_ep_rank_fn, world, ep, dispatcher, 8, 2, "float64", "router")
 
 
 @pytest.mark.parametrize("route", ["skewed", "duplicates"])
-def test_edge_routes(route):
-    run_ranks(_ep_rank_fn, 4, 4, "eager", 8, 2, "float64", route)
+@pytest.mark.parametrize("dispatcher", ["eager", "fused"])
+def test_edge_routes(route, dispatcher):
+    run_ranks(_ep_rank_fn, 4, 4, dispatcher, 8, 2, "float64", route)
 
 
 def test_experts_equal_ep_one_local_expert():
     run_ranks(_ep_rank_fn, 4, 4, "eager", 4, 2, "float64", "router")
 
 
-@pytest.mark.parametrize("dispatcher", ["eager", "domino"])
+@pytest.mark.parametrize("dispatcher", ["eager", "fused", "domino"])
 def test_qwen3_5_block_with_shared_expert(dispatcher):
     run_ranks(_ep_rank_fn, 4, 2, dispatcher, 8, 2, "float64", "router", "qwen3_5_moe")
 
@@ -178,3 +179,24 @@ def _zero_tokens_rank_fn(rank, world):
 
 def test_rank_with_zero_tokens_and_ranks_that_receive_nothing():
     run_ranks(_zero_tokens_rank_fn, 2)
+
+
+def _bf16_agreement_rank_fn(rank, world):
+    """Fused and eager on the same bf16 inputs: within one bf16 ulp; fused twice: bitwise."""
+    outputs = {}
+    for dispatcher in ("eager", "fused", "fused"):
+        block = _block(8, 2, torch.bfloat16)
+        state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
+        expert_parallelize_modules(block, state.sub_mesh("ep"), EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher))
+        x, _ = _data(world, torch.bfloat16)
+        out = block(x[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK].unsqueeze(0)).detach()
+        outputs.setdefault(dispatcher, []).append(out)
+    eager, (fused, again) = outputs["eager"][0], outputs["fused"]
+    assert torch.equal(fused, again)
+    ulp = torch.finfo(torch.bfloat16).eps * eager.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    ulps = ((fused.float() - eager.float()).abs() / ulp).max().item()
+    assert ulps <= 1.0, f"fused and eager differ by {ulps:.2f} bf16 ulps"
+
+
+def test_fused_and_eager_agree_in_bf16_and_fused_is_deterministic():
+    run_ranks(_bf16_agreement_rank_fn, 2)

@@ -47,4 +47,18 @@ TORCH_LIBRARY(fsdpturbo, m) {
   m.def("power_sum(Tensor[] tensors, float norm_type, bool accumulate_f64=True) -> Tensor");
   // Multiplies every tensor in place by `coef` with one fused pass.
   m.def("foreach_scale_(Tensor(a!)[] tensors, float coef) -> ()");
+  // MoE routing: per-expert counts, the stable expert-major permutation of the flat (token, k)
+  // slots, and the rows sent to each ep rank. Ids outside [0, num_experts) are an error.
+  m.def("moe_route(Tensor expert_ids, int num_experts, int ep_size) -> (Tensor, Tensor, Tensor)");
+  // From the all-gathered counts [ep_size, E]: rows per local expert, rows received from each
+  // ep rank, and the order that sorts the received rows local-expert-major (the second sort).
+  m.def("moe_receive(Tensor gathered_counts, int rank) -> (Tensor, Tensor, Tensor)");
+  // out[i] = hidden[rows[i] // row_divisor] (row_divisor = top_k for the first permute).
+  m.def("moe_permute(Tensor hidden, Tensor rows, int row_divisor) -> Tensor");
+  // out[t] = sum_k probs[t, k] * permuted[inverse(permutation)[t * top_k + k]], in k order.
+  m.def("moe_unpermute(Tensor permuted, Tensor permutation, Tensor? probs, int tokens, int top_k) -> Tensor");
+  // y[rows of g] = x[rows of g] @ weight[g]^T for consecutive groups of counts[g] rows.
+  m.def("grouped_mm(Tensor x, Tensor counts, Tensor weight) -> Tensor");
+  m.def("grouped_mm_grad_input(Tensor grad_y, Tensor counts, Tensor weight) -> Tensor");
+  m.def("grouped_mm_grad_weight(Tensor grad_y, Tensor x, Tensor counts) -> Tensor");
 }

@@ -35,6 +35,7 @@ TORCH_LIB_PATH = _find("FSDPTURBO_TORCH_LIB", "libfsdpturbo_torch.so", ["build/t
 lib = ctypes.CDLL(str(LIB_PATH))
 torch.ops.load_library(str(TORCH_LIB_PATH))
 ops = torch.ops.fsdpturbo
+from . import moe_ops  # noqa: E402,F401  (autograd and fakes of the MoE ops, once the library is loaded)
 
 # Status codes (include/fsdpturbo.h).
 OK = 0

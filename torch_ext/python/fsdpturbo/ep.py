@@ -81,8 +81,7 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
     if dispatcher == "domino":
         return functools.partial(_domino_forward, ep_group=ep_group, fixed_router=fixed_router)
     if dispatcher == "fused":
-        raise NotImplementedError("The 'fused' dispatcher needs the fused MoE ops, which are not built yet "
-                                  "in this version of fsdpturbo; use 'eager' or 'domino'.")
+        return functools.partial(_fused_forward, ep_group=ep_group, fixed_router=fixed_router)
     if dispatcher == "mc2":
         raise RuntimeError("The 'mc2' dispatcher runs only on Ascend NPUs (torch_npu's fused AllToAllV + "
                            "grouped matmul); this host has no NPU. Use 'eager', 'fused' or 'domino'.")
@@ -129,18 +128,18 @@ class _Route:
     local_order: torch.Tensor           # receive order → local-expert-major (the second sort)
 
 
-def _gathered_counts(flat_ids_per_slice, num_experts, ep_group):
-    """bincount of every slice's ids, all-gathered over the EP group: [P, S, E]. An extra column
-    carries "this rank has out-of-range ids", so a bad rank fails everywhere instead of hanging."""
+def _gathered_counts(flat_ids_per_slice, num_experts, ep_group, count=None):
+    """Per-slice expert counts (`count(flat)`, default bincount), all-gathered over the EP group:
+    [P, S, E + 1]. The extra column carries "this rank has out-of-range ids", so a bad rank fails
+    everywhere instead of leaving the others waiting in the next collective."""
     rows = []
     for flat in flat_ids_per_slice:
-        bad = bool(flat.numel()) and (int(flat.min()) < 0 or int(flat.max()) >= num_experts)
-        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-        if bad:
-            counts[num_experts] = 1
+        row = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+            row[num_experts] = 1
         else:
-            counts[:num_experts] = torch.bincount(flat.long(), minlength=num_experts)
-        rows.append(counts)
+            row[:num_experts] = count(flat) if count else torch.bincount(flat.long(), minlength=num_experts)
+        rows.append(row)
     local = torch.stack(rows)
     world = dist.get_world_size(ep_group)
     gathered = torch.empty((world * local.size(0), local.size(1)), dtype=local.dtype, device=local.device)
@@ -229,7 +228,9 @@ def _compute(module, received, route):
 def _combine(y, route, weights, tokens, top_k, ep_group):
     back = _all_to_all(y, route.input_splits, route.output_splits, ep_group)
     per_slot = back.index_select(0, _inverse(route.sorted_index)).view(tokens, top_k, back.size(-1))
-    return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1)
+    # Weighted sum over k in f32 (f64 for f64), rounded once: the fused kernel's arithmetic.
+    acc = torch.float64 if back.dtype == torch.float64 else torch.float32
+    return (per_slot.to(acc) * weights.unsqueeze(-1).to(acc)).sum(1).to(back.dtype)
 
 
 def _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
@@ -277,3 +278,45 @@ def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gro
         y = _compute(module, received[i], routes[i])
         outputs.append(_combine(y, routes[i], weights[a:b], b - a, top_k, ep_group))
     return torch.cat(outputs).view(hidden_states.shape)
+
+
+def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
+    """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
+    (`torch.ops.fsdpturbo`: host kernels on CPU; on CUDA/NPU the ops raise "not available on this
+    device yet" until the device backends land). When no local expert receives a token it falls
+    back to the eager expert MLP, as the seed does."""
+    from ._native import ops
+
+    hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
+    tokens, top_k = index.shape
+    num_experts = module.num_global_experts
+    ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    flat = index.reshape(-1)
+    routed = {}
+
+    def count(_flat):
+        routed["counts"], routed["permutation"], routed["splits"] = ops.moe_route(index, num_experts, ep_size)
+        return routed["counts"]
+
+    gathered = _gathered_counts([flat], num_experts, ep_group, count)
+    _check_ids(flat, top_k, num_experts, gathered, ep_group)
+    per_expert, output_splits, local_order = ops.moe_receive(gathered[:, 0, :num_experts], ep_rank)
+    input_splits, output_splits = routed["splits"].tolist(), output_splits.tolist()
+    tokens_per_local_expert = per_expert.tolist()
+
+    permuted = ops.moe_permute(hidden.contiguous(), routed["permutation"], top_k)
+    received = _all_to_all(permuted, output_splits, input_splits, ep_group)
+    grouped = ops.moe_permute(received, local_order, 1)
+    if sum(tokens_per_local_expert) == 0:
+        out = _experts_mlp(module, grouped, tokens_per_local_expert)
+    else:
+        gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
+        gate, up = ops.grouped_mm(grouped, per_expert, gate_up).chunk(2, dim=-1)
+        limit = getattr(module, "limit", None)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        out = ops.grouped_mm((module.act_fn(gate) * up).contiguous(), per_expert, down)
+    y = ops.moe_unpermute(out, local_order, None, out.size(0), 1)
+    back = _all_to_all(y, input_splits, output_splits, ep_group)
+    result = ops.moe_unpermute(back.contiguous(), routed["permutation"], weights, tokens, top_k)
+    return result.view(hidden_states.shape)

@@ -1,0 +1,75 @@
+"""The MoE ops of the op library: the seed's worked example (reference §5.1) number for number,
+opcheck for every op, gradcheck in f64, and clear errors."""
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import fsdpturbo  # noqa: F401  (loads the op library)
+
+ops = torch.ops.fsdpturbo
+
+
+def test_seed_worked_example():
+    counts, permutation, splits = ops.moe_route(torch.tensor([[1, 2], [0, 3], [2, 1]]), 4, 2)
+    assert counts.tolist() == [1, 2, 2, 1] and splits.tolist() == [3, 3]
+    assert permutation.tolist() == [2, 0, 5, 1, 4, 3]
+    assert (permutation // 2).tolist() == [1, 0, 2, 0, 2, 1]  # permuted rows are these tokens
+    gathered = torch.tensor([[1, 2, 2, 1], [1, 0, 1, 2]])
+    per_expert, output_splits, order = ops.moe_receive(gathered, 0)
+    assert per_expert.tolist() == [2, 2] and output_splits.tolist() == [3, 1] and order.tolist() == [0, 3, 1, 2]
+    _, _, splits1 = ops.moe_route(torch.tensor([[3, 0], [2, 3]]), 4, 2)
+    assert splits1.tolist() == [1, 3] and ops.moe_receive(gathered, 1)[1].tolist() == [3, 3]
+
+
+def _inputs():
+    ids = torch.tensor([[1, 2], [0, 3], [2, 1], [3, 3]])
+    _, permutation, _ = ops.moe_route(ids, 4, 2)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(4, 2, dtype=torch.float64, requires_grad=True)
+    return ids, permutation, x, probs
+
+
+def test_opcheck_every_moe_op():
+    ids, permutation, x, probs = _inputs()
+    permuted = ops.moe_permute(x, permutation, 2).detach().requires_grad_()
+    counts = torch.tensor([3, 0, 5])
+    w = torch.randn(3, 6, 5, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    for op, args in [(ops.moe_route.default, (ids, 4, 2)),
+                     (ops.moe_receive.default, (torch.tensor([[1, 2, 2, 1], [1, 0, 1, 2]]), 1)),
+                     (ops.moe_permute.default, (x, permutation, 2)),
+                     (ops.moe_unpermute.default, (permuted, permutation, probs, 4, 2)),
+                     (ops.moe_unpermute.default, (permuted, permutation, None, 4, 2)),
+                     (ops.grouped_mm.default, (a, counts, w)),
+                     (ops.grouped_mm_grad_input.default, (torch.randn(8, 6, dtype=torch.float64), counts, w)),
+                     (ops.grouped_mm_grad_weight.default, (torch.randn(8, 6, dtype=torch.float64), a, counts))]:
+        torch.library.opcheck(op, args)
+
+
+def test_gradcheck_f64():
+    _, permutation, x, probs = _inputs()
+    assert gradcheck(lambda x, p: ops.moe_unpermute(ops.moe_permute(x, permutation, 2), permutation, p, 4, 2),
+                     (x, probs))
+    counts = torch.tensor([2, 0, 3])  # an empty group: zero rows, zero weight gradient
+    a = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda a, w: ops.grouped_mm(a, counts, w), (a, w))
+    ops.grouped_mm(a, counts, w).sum().backward()
+    assert torch.count_nonzero(w.grad[1]) == 0
+
+
+def test_unpermute_is_the_weighted_sum_over_k():
+    _, permutation, x, probs = _inputs()
+    out = ops.moe_unpermute(ops.moe_permute(x, permutation, 2), permutation, probs, 4, 2)
+    torch.testing.assert_close(out, (x.unsqueeze(1) * probs.unsqueeze(-1)).sum(1), rtol=1e-12, atol=1e-12)
+
+
+def test_errors_name_what_and_where():
+    with pytest.raises(ValueError, match=r"4.*token 1.*k 1|token 1.*4"):
+        ops.moe_route(torch.tensor([[0, 1], [2, 4]]), 4, 2)
+    with pytest.raises(ValueError, match=r"Number of experts\(6\) is not divisible by ep size\(4\)\."):
+        ops.moe_route(torch.tensor([[0, 1]]), 6, 4)
+    with pytest.raises(ValueError, match=r"permuted tokens\(3\) != sorted indices\(4\)"):
+        ops.moe_unpermute(torch.randn(3, 2), torch.arange(4), None, 2, 2)
+    with pytest.raises(ValueError, match=r"expected float32, float64, float16 or bfloat16"):
+        ops.grouped_mm(torch.ones(2, 2, dtype=torch.int32), torch.tensor([2]), torch.ones(1, 2, 2, dtype=torch.int32))

@@ -6,12 +6,13 @@ what must be Python: torch DeviceMeshes, DTensors and torch.distributed calls.
 from ._native import FsdpturboError, FsdpturboValueError, ops
 from .config import parse_train_config
 from .pattern import module_name_match
+from .placement import copy_weights_, gather_full, local_shape_and_offset
 from .topology import ParallelState, get_parallel_state, initialize_parallel_state, reset_parallel_state
 
 __version__ = ops.version()
 
 __all__ = [
-    "FsdpturboError", "FsdpturboValueError", "ParallelState", "get_parallel_state",
-    "initialize_parallel_state", "module_name_match", "ops", "parse_train_config",
-    "reset_parallel_state",
+    "FsdpturboError", "FsdpturboValueError", "ParallelState", "copy_weights_", "gather_full",
+    "get_parallel_state", "initialize_parallel_state", "local_shape_and_offset", "module_name_match", "ops",
+    "parse_train_config", "reset_parallel_state",
 ]

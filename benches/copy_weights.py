@@ -7,8 +7,9 @@ Compares, in one run and on the same buffers:
   * memcpy - `ctypes.memmove` of the same byte count between two contiguous buffers (the
              ceiling: the slice is at best one memcpy).
 GB/s counts the local tensor's bytes once; "of memcpy" is memcpy's time over the method's.
-Each figure is the median of --repeats timed runs after a warm-up; torch runs on --threads
-threads (memcpy and ours are single-threaded).
+Each figure is the minimum (or, with --stat median, the median) of --repeats runs timed
+round-robin (rotating which method goes first) after a warm-up; torch runs on --threads threads (memcpy and ours are
+single-threaded).
 
 Usage: PYTHONPATH=torch_ext/python python benches/copy_weights.py [--repeats N] [--threads T]
 """
@@ -36,18 +37,20 @@ CASES = [
 ]
 
 
-def _median_seconds(fns, repeats):
-    """Median seconds of each function, timed round-robin (one run of each per round, so that
-    load from other processes hits all of them alike), after one warm-up round."""
+def _seconds(fns, repeats, stat):
+    """Seconds of each function (min or median over `repeats` runs), timed round-robin with the
+    starting function rotating every round (so that load from other processes and the cache
+    state left by the previous copy hit all of them alike), after one warm-up round."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, t in zip(fns, times):
+    for r in range(repeats):
+        for i in range(len(fns)):
+            k = (r + i) % len(fns)
             start = time.perf_counter()
-            fn()
-            t.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+            fns[k]()
+            times[k].append(time.perf_counter() - start)
+    return [(min if stat == "min" else statistics.median)(t) for t in times]
 
 
 def _narrow_fn(local, full, offset, shape):
@@ -62,17 +65,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--stat", choices=["min", "median"], default="min",
+                        help="min (default: the least disturbed run on a shared host) or median")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16
     print(f"torch {torch.__version__}, {dtype}, torch threads {torch.get_num_threads()}, "
-          f"median of {args.repeats}")
+          f"{args.stat} of {args.repeats} round-robin runs")
     header = f"{'case':46} {'local MB':>9} {'runs':>6} | {'ours GB/s':>9} {'narrow GB/s':>11} {'memcpy GB/s':>11} | " \
              f"{'ours/memcpy':>11} {'narrow/memcpy':>13}"
     print(header)
     print("-" * len(header))
     full_cache = {}
     for name, global_shape, mesh_shape, coordinate, placements in CASES:
+        if args.only not in name:
+            continue
         if global_shape not in full_cache:
             full_cache.clear()
             full_cache[global_shape] = torch.empty(global_shape, dtype=dtype).random_(-100, 100)
@@ -92,7 +100,7 @@ def main():
         fns = [lambda: ops.copy_slice_(local, full, list(mesh_shape), list(coordinate), triples),
                _narrow_fn(local, full, offset, shape),
                lambda: ctypes.memmove(local.data_ptr(), src.data_ptr(), nbytes)]
-        ours, narrow, memcpy = _median_seconds(fns, args.repeats)
+        ours, narrow, memcpy = _seconds(fns, args.repeats, args.stat)
         ops.copy_slice_(local, full, list(mesh_shape), list(coordinate), triples)
         assert torch.equal(local, expected), name
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731

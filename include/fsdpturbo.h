@@ -506,88 +506,6 @@ int32_t fsdpturbo_plan_to_json(const fsdpturbo_plan_t *plan,
                                size_t cap,
                                size_t *out_len);
 
-// Registers (or replaces, as the seed does) the spec of `model_type` in the process-wide
-// registry: `ep_modules` (n_ep patterns, at least one) and `ep_fsdp_modules` (n_fsdp
-// patterns; pass NULL and 0 to derive them by dropping a `.experts` suffix). Every pattern
-// is compiled first; an invalid one gives FSDPTURBO_ERR_INVALID_ARGUMENT and registers nothing.
-int32_t fsdpturbo_spec_register(const char *model_type,
-                                const char *const *ep_modules,
-                                size_t n_ep,
-                                const char *const *ep_fsdp_modules,
-                                size_t n_fsdp);
-
-// The registered spec of `model_type` as JSON (`{"model_type", "ep_modules",
-// "ep_fsdp_modules"}`), copied into `buf` with its NUL; `*out_len` receives the bytes needed.
-// An unregistered type gives FSDPTURBO_ERR_PLAN with the seed's message.
-int32_t fsdpturbo_spec_to_json(const char *model_type, char *buf, size_t cap, size_t *out_len);
-
-// Initialises the process-global parallel state with a copy of `topology`. Calling it again
-// with an equal topology is a no-op; with a different one it fails with FSDPTURBO_ERR_STATE and
-// the message "FSDPTurbo parallel state is already initialized with (dp, cp, ep), got
-// (dp, cp, ep)." followed by the fields that differ. Thread-safe.
-int32_t fsdpturbo_state_initialize(const fsdpturbo_topology_t *topology);
-
-// Stores in `*out` a new topology handle holding a copy of the global state's topology (free
-// it with fsdpturbo_topology_free). FSDPTURBO_ERR_STATE, with `*out` set to NULL, when the
-// state is not initialised.
-int32_t fsdpturbo_state_get(fsdpturbo_topology_t **out);
-
-// Forgets the process-global parallel state, so it can be initialised with another topology.
-// Handles obtained earlier stay valid. Leaves the thread's last error untouched.
-void fsdpturbo_state_reset(void);
-
-// Builds a topology from `options` and stores a new handle in `*out` (NULL on failure).
-// Errors: FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_STRUCT_SIZE (options not initialised with
-// FSDPTURBO_TOPOLOGY_OPTIONS_INIT), FSDPTURBO_ERR_TOPOLOGY (inconsistent sizes; the message
-// names them and what is accepted).
-int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
-                               fsdpturbo_topology_t **out);
-
-// Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
-// can be called while cleaning up after a failure.
-void fsdpturbo_topology_free(fsdpturbo_topology_t *topology);
-
-// Stores one size of the topology in `*out`. `dim` is one of: "world", "dp", "cp",
-// "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp" (always equal to cp). With
-// ep_size 1, efsdp and edp are 1. An unknown name gives FSDPTURBO_ERR_INVALID_ARGUMENT.
-int32_t fsdpturbo_topology_size(const fsdpturbo_topology_t *topology,
-                                const char *dim,
-                                uint64_t *out);
-
-// Copies the shape of mesh `mesh` (FSDPTURBO_MESH_*) into `shape` (capacity `capacity`
-// elements) and stores its number of dims in `*out_len`. A short buffer (NULL with capacity 0
-// asks for the length) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set.
-// FSDPTURBO_MESH_EXPERT with ep_size 1 gives FSDPTURBO_ERR_INVALID_ARGUMENT.
-int32_t fsdpturbo_topology_mesh_shape(const fsdpturbo_topology_t *topology,
-                                      int32_t mesh,
-                                      uint64_t *shape,
-                                      size_t capacity,
-                                      size_t *out_len);
-
-// Copies the coordinate of `rank` in mesh `mesh` (row-major, last dim fastest, as torch
-// init_device_mesh) into `coordinate` and its length into `*out_len`. A rank outside the mesh
-// gives FSDPTURBO_ERR_INVALID_ARGUMENT; a short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL.
-int32_t fsdpturbo_topology_coordinate(const fsdpturbo_topology_t *topology,
-                                      int32_t mesh,
-                                      uint64_t rank,
-                                      uint64_t *coordinate,
-                                      size_t capacity,
-                                      size_t *out_len);
-
-// Copies the members of `rank`'s group over `dims` in mesh `mesh` into `members` and their
-// count into `*out_len`. `dims` is a comma-separated list of the mesh's dim names, e.g. "ep" or
-// "efsdp,ep". With one dim, member i has group-local rank i; with several, the order is
-// row-major over the dims as listed (the first slowest), like torch `mesh["efsdp", "ep"]`.
-// Unknown or repeated dims and ranks outside the mesh give FSDPTURBO_ERR_INVALID_ARGUMENT; a
-// short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set to the group size.
-int32_t fsdpturbo_topology_group(const fsdpturbo_topology_t *topology,
-                                 int32_t mesh,
-                                 const char *dims,
-                                 uint64_t rank,
-                                 uint64_t *members,
-                                 size_t capacity,
-                                 size_t *out_len);
-
 // Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
 // `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
 // gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
@@ -717,6 +635,88 @@ int32_t fsdpturbo_grouped_matmul_grad_weight(int32_t dtype,
                                              size_t out_features,
                                              void *grad_weight,
                                              size_t grad_weight_bytes);
+
+// Registers (or replaces, as the seed does) the spec of `model_type` in the process-wide
+// registry: `ep_modules` (n_ep patterns, at least one) and `ep_fsdp_modules` (n_fsdp
+// patterns; pass NULL and 0 to derive them by dropping a `.experts` suffix). Every pattern
+// is compiled first; an invalid one gives FSDPTURBO_ERR_INVALID_ARGUMENT and registers nothing.
+int32_t fsdpturbo_spec_register(const char *model_type,
+                                const char *const *ep_modules,
+                                size_t n_ep,
+                                const char *const *ep_fsdp_modules,
+                                size_t n_fsdp);
+
+// The registered spec of `model_type` as JSON (`{"model_type", "ep_modules",
+// "ep_fsdp_modules"}`), copied into `buf` with its NUL; `*out_len` receives the bytes needed.
+// An unregistered type gives FSDPTURBO_ERR_PLAN with the seed's message.
+int32_t fsdpturbo_spec_to_json(const char *model_type, char *buf, size_t cap, size_t *out_len);
+
+// Initialises the process-global parallel state with a copy of `topology`. Calling it again
+// with an equal topology is a no-op; with a different one it fails with FSDPTURBO_ERR_STATE and
+// the message "FSDPTurbo parallel state is already initialized with (dp, cp, ep), got
+// (dp, cp, ep)." followed by the fields that differ. Thread-safe.
+int32_t fsdpturbo_state_initialize(const fsdpturbo_topology_t *topology);
+
+// Stores in `*out` a new topology handle holding a copy of the global state's topology (free
+// it with fsdpturbo_topology_free). FSDPTURBO_ERR_STATE, with `*out` set to NULL, when the
+// state is not initialised.
+int32_t fsdpturbo_state_get(fsdpturbo_topology_t **out);
+
+// Forgets the process-global parallel state, so it can be initialised with another topology.
+// Handles obtained earlier stay valid. Leaves the thread's last error untouched.
+void fsdpturbo_state_reset(void);
+
+// Builds a topology from `options` and stores a new handle in `*out` (NULL on failure).
+// Errors: FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_STRUCT_SIZE (options not initialised with
+// FSDPTURBO_TOPOLOGY_OPTIONS_INIT), FSDPTURBO_ERR_TOPOLOGY (inconsistent sizes; the message
+// names them and what is accepted).
+int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
+                               fsdpturbo_topology_t **out);
+
+// Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
+// can be called while cleaning up after a failure.
+void fsdpturbo_topology_free(fsdpturbo_topology_t *topology);
+
+// Stores one size of the topology in `*out`. `dim` is one of: "world", "dp", "cp",
+// "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp" (always equal to cp). With
+// ep_size 1, efsdp and edp are 1. An unknown name gives FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_topology_size(const fsdpturbo_topology_t *topology,
+                                const char *dim,
+                                uint64_t *out);
+
+// Copies the shape of mesh `mesh` (FSDPTURBO_MESH_*) into `shape` (capacity `capacity`
+// elements) and stores its number of dims in `*out_len`. A short buffer (NULL with capacity 0
+// asks for the length) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set.
+// FSDPTURBO_MESH_EXPERT with ep_size 1 gives FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_topology_mesh_shape(const fsdpturbo_topology_t *topology,
+                                      int32_t mesh,
+                                      uint64_t *shape,
+                                      size_t capacity,
+                                      size_t *out_len);
+
+// Copies the coordinate of `rank` in mesh `mesh` (row-major, last dim fastest, as torch
+// init_device_mesh) into `coordinate` and its length into `*out_len`. A rank outside the mesh
+// gives FSDPTURBO_ERR_INVALID_ARGUMENT; a short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+int32_t fsdpturbo_topology_coordinate(const fsdpturbo_topology_t *topology,
+                                      int32_t mesh,
+                                      uint64_t rank,
+                                      uint64_t *coordinate,
+                                      size_t capacity,
+                                      size_t *out_len);
+
+// Copies the members of `rank`'s group over `dims` in mesh `mesh` into `members` and their
+// count into `*out_len`. `dims` is a comma-separated list of the mesh's dim names, e.g. "ep" or
+// "efsdp,ep". With one dim, member i has group-local rank i; with several, the order is
+// row-major over the dims as listed (the first slowest), like torch `mesh["efsdp", "ep"]`.
+// Unknown or repeated dims and ranks outside the mesh give FSDPTURBO_ERR_INVALID_ARGUMENT; a
+// short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set to the group size.
+int32_t fsdpturbo_topology_group(const fsdpturbo_topology_t *topology,
+                                 int32_t mesh,
+                                 const char *dims,
+                                 uint64_t rank,
+                                 uint64_t *members,
+                                 size_t capacity,
+                                 size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -113,7 +113,7 @@ ROUTES = {
 }
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (4, 4), (6, 2)])
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2), (4, 4), (6, 2), (8, 4)])
 @pytest.mark.parametrize("dispatcher", ["eager", "fused", "domino"])
 def test_ep_block_equals_single_process_f64(world, ep, dispatcher):
     run_ranks(_ep_rank_fn, world, ep, dispatcher, 8, 2, "float64", "router")

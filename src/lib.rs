@@ -8,6 +8,7 @@ pub mod norm;
 pub mod pattern;
 pub mod placement;
 pub mod plan;
+pub mod route;
 pub mod spec;
 pub mod topology;
 

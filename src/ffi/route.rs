@@ -1,0 +1,622 @@
+//! C ABI of token routing and the host MoE kernels: plain arrays in, caller-owned buffers out,
+//! no handles. Element types are the FSDPTURBO_DTYPE_* codes of the gradient-norm ABI
+//! (F32 = 0, F64 = 1, F16 = 2, BF16 = 3; f16 and bf16 as uint16_t bit patterns). Every array must
+//! be aligned for its element type and may be NULL only when it holds no element; output
+//! buffers must not overlap each other or any input. On any error nothing is written, except
+//! where a function says otherwise.
+
+use std::ffi::c_void;
+
+use super::error::FfiError;
+use super::handle::write_out;
+use super::norm::{FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64};
+use super::panic::boundary;
+use super::status::{
+    FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
+};
+use crate::norm::{HostBuf, HostBufMut};
+use crate::route;
+
+fn invalid(message: String) -> FfiError {
+    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
+}
+
+#[derive(Clone, Copy)]
+enum Dtype {
+    F32,
+    F64,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    fn of(code: i32) -> Result<Dtype, FfiError> {
+        match code {
+            FSDPTURBO_DTYPE_F32 => Ok(Dtype::F32),
+            FSDPTURBO_DTYPE_F64 => Ok(Dtype::F64),
+            FSDPTURBO_DTYPE_F16 => Ok(Dtype::F16),
+            FSDPTURBO_DTYPE_BF16 => Ok(Dtype::Bf16),
+            other => Err(invalid(format!(
+                "`dtype` is {other}, not an FSDPTURBO_DTYPE_* value (F32=0, F64=1, F16=2, BF16=3)"
+            ))),
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F64 => 8,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// A memory region of an argument, for the overlap check.
+#[derive(Clone, Copy)]
+struct Region<'n> {
+    start: usize,
+    bytes: usize,
+    name: &'n str,
+}
+
+/// Fails when an output region overlaps another output or an input.
+fn check_disjoint(outputs: &[Region], inputs: &[Region]) -> Result<(), FfiError> {
+    for (i, a) in outputs.iter().enumerate() {
+        for b in outputs[i + 1..].iter().chain(inputs) {
+            if a.bytes > 0 && b.bytes > 0 && a.start < b.start + b.bytes && b.start < a.start + a.bytes {
+                return Err(invalid(format!(
+                    "buffers `{}` and `{}` overlap; outputs must not share memory with other arguments",
+                    a.name, b.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `len` elements of `T` at `ptr` can be viewed as a slice and returns its region.
+fn check_array<'n, T>(ptr: *const T, len: usize, name: &'n str) -> Result<Region<'n>, FfiError> {
+    let region = Region { start: ptr as usize, bytes: 0, name };
+    if len == 0 {
+        return Ok(region);
+    }
+    if ptr.is_null() {
+        return Err(FfiError::new(
+            FSDPTURBO_ERR_NULL_ARGUMENT,
+            format!("argument `{name}` is NULL but must hold {len} elements"),
+        ));
+    }
+    let size = std::mem::size_of::<T>();
+    if (ptr as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(invalid(format!("`{name}` ({ptr:p}) is not aligned to its {size}-byte element type")));
+    }
+    match len.checked_mul(size) {
+        Some(bytes) if bytes <= isize::MAX as usize && (ptr as usize).checked_add(bytes).is_some() => {
+            Ok(Region { bytes, ..region })
+        }
+        _ => Err(invalid(format!("`{name}`: {len} elements are too many for the address space"))),
+    }
+}
+
+/// A checked input array.
+fn in_array<'a, T>(ptr: *const T, len: usize, name: &str) -> Result<(&'a [T], Region<'_>), FfiError> {
+    let region = check_array(ptr, len, name)?;
+    if len == 0 {
+        return Ok((&[], region));
+    }
+    // SAFETY: non-NULL, aligned and in range (checked); the caller guarantees `len` readable
+    // elements that nothing writes during the call.
+    Ok((unsafe { std::slice::from_raw_parts(ptr, len) }, region))
+}
+
+/// A checked output array (made into a slice only after the overlap check: see `out_slice`).
+fn out_array<T>(ptr: *mut T, len: usize, name: &str) -> Result<Region<'_>, FfiError> {
+    check_array(ptr.cast_const(), len, name)
+}
+
+/// # Safety
+/// `region` came from `out_array(ptr, len, ..)` and passed `check_disjoint`.
+unsafe fn out_slice<'a, T>(ptr: *mut T, len: usize) -> &'a mut [T] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: checked by out_array and check_disjoint; the caller guarantees `len` writable
+    // elements that nothing else accesses during the call.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+/// The element count of a `bytes`-long buffer of `dtype`, which must be a whole number of
+/// elements.
+fn elems_of(bytes: usize, dtype: Dtype, name: &str) -> Result<usize, FfiError> {
+    if bytes % dtype.size() != 0 {
+        return Err(invalid(format!(
+            "`{name}` is {bytes}, not a whole number of {}-byte elements",
+            dtype.size()
+        )));
+    }
+    Ok(bytes / dtype.size())
+}
+
+/// `bytes` must be exactly `want` elements of `dtype`.
+fn expect_bytes(
+    bytes: usize,
+    want: Option<usize>,
+    dtype: Dtype,
+    name: &str,
+    shape: &str,
+) -> Result<(), FfiError> {
+    let need = want.and_then(|n| n.checked_mul(dtype.size()));
+    match need {
+        Some(need) if need == bytes => Ok(()),
+        Some(need) => Err(invalid(format!(
+            "`{name}` is {bytes} but {shape} of {}-byte elements is {need} bytes",
+            dtype.size()
+        ))),
+        None => Err(invalid(format!("the size of {shape} overflows"))),
+    }
+}
+
+fn data_region<'n>(
+    ptr: *const c_void,
+    bytes: usize,
+    dtype: Dtype,
+    name: &'n str,
+) -> Result<Region<'n>, FfiError> {
+    let n = elems_of(bytes, dtype, &format!("{name}_bytes"))?;
+    match dtype {
+        Dtype::F32 => check_array(ptr.cast::<f32>(), n, name),
+        Dtype::F64 => check_array(ptr.cast::<f64>(), n, name),
+        Dtype::F16 | Dtype::Bf16 => check_array(ptr.cast::<u16>(), n, name),
+    }
+}
+
+/// # Safety
+/// `(ptr, bytes)` passed `data_region`; the caller guarantees readable memory.
+unsafe fn host_buf<'a>(ptr: *const c_void, bytes: usize, dtype: Dtype) -> HostBuf<'a> {
+    let n = bytes / dtype.size();
+    if n == 0 {
+        return match dtype {
+            Dtype::F32 => HostBuf::F32(&[]),
+            Dtype::F64 => HostBuf::F64(&[]),
+            Dtype::F16 => HostBuf::F16(&[]),
+            Dtype::Bf16 => HostBuf::Bf16(&[]),
+        };
+    }
+    // SAFETY: non-NULL, aligned, in range (data_region); readable by the caller's contract.
+    unsafe {
+        match dtype {
+            Dtype::F32 => HostBuf::F32(std::slice::from_raw_parts(ptr.cast(), n)),
+            Dtype::F64 => HostBuf::F64(std::slice::from_raw_parts(ptr.cast(), n)),
+            Dtype::F16 => HostBuf::F16(std::slice::from_raw_parts(ptr.cast(), n)),
+            Dtype::Bf16 => HostBuf::Bf16(std::slice::from_raw_parts(ptr.cast(), n)),
+        }
+    }
+}
+
+/// # Safety
+/// `(ptr, bytes)` passed `data_region` and `check_disjoint`; writable by the caller's contract.
+unsafe fn host_buf_mut<'a>(ptr: *mut c_void, bytes: usize, dtype: Dtype) -> HostBufMut<'a> {
+    let n = bytes / dtype.size();
+    // SAFETY: as for host_buf, and no other argument overlaps it.
+    unsafe {
+        match dtype {
+            Dtype::F32 => HostBufMut::F32(out_slice(ptr.cast(), n)),
+            Dtype::F64 => HostBufMut::F64(out_slice(ptr.cast(), n)),
+            Dtype::F16 => HostBufMut::F16(out_slice(ptr.cast(), n)),
+            Dtype::Bf16 => HostBufMut::Bf16(out_slice(ptr.cast(), n)),
+        }
+    }
+}
+
+/// Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
+/// `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
+/// gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
+/// - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;
+/// - `permutation[tokens * top_k]`: the flat slot indices `t * top_k + k` sorted by expert,
+///   ties in flat order (a stable sort: the seed's `sorted`); permuted row i is token
+///   `permutation[i] / top_k`;
+/// - `input_splits[P]`: the rows this rank sends to each ep rank.
+///
+/// Ids outside [0, E) are rejected (the message names the id and its token and k), as are a
+/// zero `top_k`, `num_experts` or `ep_size`. Zero tokens are fine (NULL arrays then allowed for
+/// `expert_ids` and `permutation`).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_route(
+    expert_ids: *const i64,
+    tokens: usize,
+    top_k: usize,
+    num_experts: usize,
+    ep_size: usize,
+    tokens_per_expert: *mut u64,
+    permutation: *mut u64,
+    input_splits: *mut u64,
+) -> i32 {
+    boundary(|| {
+        let slots = route::route_slots(tokens, top_k, num_experts, ep_size)?;
+        let (ids, ids_region) = in_array(expert_ids, slots, "expert_ids")?;
+        let outs = [
+            out_array(tokens_per_expert, num_experts, "tokens_per_expert")?,
+            out_array(permutation, slots, "permutation")?,
+            out_array(input_splits, ep_size, "input_splits")?,
+        ];
+        check_disjoint(&outs, &[ids_region])?;
+        // SAFETY: checked by out_array and check_disjoint.
+        let (cnt, perm, splits) = unsafe {
+            (
+                out_slice(tokens_per_expert, num_experts),
+                out_slice(permutation, slots),
+                out_slice(input_splits, ep_size),
+            )
+        };
+        Ok(route::route_into(ids, tokens, top_k, num_experts, ep_size, cnt, perm, splits)?)
+    })
+}
+
+/// What this rank (`rank` in its ep group of `ep_size` = P) receives in the dispatch
+/// all-to-all, from the all-gathered counts `gathered_counts[P * num_experts]` (row s = the
+/// `tokens_per_expert` of ep rank s). With L = num_experts / P local experts and N the rows
+/// received, writes:
+/// - `tokens_per_local_expert[L]` and `output_splits[P]` (rows from each ep rank);
+/// - `local_expert_of_row[N]`: the local expert of each received row, in receive order (source
+///   rank-major, then local expert: the seed's `global_indices`);
+/// - `chunk_order[N]`: the second stable sort, `chunk_order[i]` = the receive-order row that
+///   goes to local-expert-major position i; `chunk_order_inverse[N]`: its inverse.
+///
+/// `*rows_out` always receives N once the arguments are valid; when N exceeds `rows_cap` (the
+/// capacity of each of the three row buffers) the status is FSDPTURBO_ERR_BUFFER_TOO_SMALL and
+/// nothing else is written. Works for L = 1 (experts == ep).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_route_receive(
+    gathered_counts: *const u64,
+    ep_size: usize,
+    num_experts: usize,
+    rank: usize,
+    tokens_per_local_expert: *mut u64,
+    output_splits: *mut u64,
+    local_expert_of_row: *mut u64,
+    rows_cap: usize,
+    rows_out: *mut usize,
+    chunk_order: *mut u64,
+    chunk_order_inverse: *mut u64,
+) -> i32 {
+    boundary(|| {
+        if ep_size == 0 || num_experts == 0 {
+            // The core's messages for zero sizes, before any length is derived from them.
+            route::receive_rows(&[], ep_size, num_experts, rank)?;
+        }
+        let want = ep_size
+            .checked_mul(num_experts)
+            .ok_or_else(|| invalid(format!("ep_size ({ep_size}) × num_experts ({num_experts}) overflows")))?;
+        let (gathered, gathered_region) = in_array(gathered_counts, want, "gathered_counts")?;
+        let rows = route::receive_rows(gathered, ep_size, num_experts, rank)?;
+        let l = num_experts / ep_size;
+        let rows_out_region =
+            Region { start: rows_out as usize, bytes: std::mem::size_of::<usize>(), name: "rows_out" };
+        check_disjoint(&[rows_out_region], &[gathered_region])?;
+        write_out(rows_out, "rows_out", rows)?;
+        if rows_cap < rows {
+            return Err(FfiError::new(
+                FSDPTURBO_ERR_BUFFER_TOO_SMALL,
+                format!(
+                    "`rows_cap` is {rows_cap} but this rank receives {rows} rows: `local_expert_of_row`, \
+                     `chunk_order` and `chunk_order_inverse` need {rows} elements each"
+                ),
+            ));
+        }
+        let outs = [
+            out_array(tokens_per_local_expert, l, "tokens_per_local_expert")?,
+            out_array(output_splits, ep_size, "output_splits")?,
+            out_array(local_expert_of_row, rows, "local_expert_of_row")?,
+            out_array(chunk_order, rows, "chunk_order")?,
+            out_array(chunk_order_inverse, rows, "chunk_order_inverse")?,
+            rows_out_region,
+        ];
+        check_disjoint(&outs, &[gathered_region])?;
+        // SAFETY: checked by out_array and check_disjoint.
+        unsafe {
+            Ok(route::receive_into(
+                gathered,
+                ep_size,
+                num_experts,
+                rank,
+                out_slice(tokens_per_local_expert, l),
+                out_slice(output_splits, ep_size),
+                out_slice(local_expert_of_row, rows),
+                out_slice(chunk_order, rows),
+                out_slice(chunk_order_inverse, rows),
+            )?)
+        }
+    })
+}
+
+/// Row gather: `dst[i, :] = src[rows[i] / row_divisor, :]` for row-major `src` of `hidden`
+/// columns (`src_bytes` must be a whole number of rows) and `dst[n_rows, hidden]`
+/// (`dst_bytes` must be exactly `n_rows * hidden` elements). `row_divisor` 1 is a plain gather;
+/// `top_k` with the `permutation` of fsdpturbo_route gathers the permuted tokens (the seed's
+/// `permute`), and with the permutation of the received rows (`chunk_order`) and 1 it is the
+/// second-level permute. The element type only sets the row size (any FSDPTURBO_DTYPE_*).
+/// Rows outside `src` are rejected before anything is written.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_permute_rows(
+    dtype: i32,
+    src: *const c_void,
+    src_bytes: usize,
+    hidden: usize,
+    rows: *const u64,
+    n_rows: usize,
+    row_divisor: usize,
+    dst: *mut c_void,
+    dst_bytes: usize,
+) -> i32 {
+    boundary(|| {
+        let dtype = Dtype::of(dtype)?;
+        if hidden == 0 {
+            return Err(invalid("`hidden` must be >= 1, got 0".into()));
+        }
+        if row_divisor == 0 {
+            return Err(invalid("`row_divisor` must be >= 1 (1: plain gather; top_k: tokens), got 0".into()));
+        }
+        let row_bytes =
+            hidden.checked_mul(dtype.size()).ok_or_else(|| invalid(format!("hidden {hidden} overflows")))?;
+        if src_bytes % row_bytes != 0 {
+            return Err(invalid(format!(
+                "`src_bytes` is {src_bytes}, not a whole number of rows of hidden {hidden} × {} bytes",
+                dtype.size()
+            )));
+        }
+        expect_bytes(
+            dst_bytes,
+            n_rows.checked_mul(hidden),
+            dtype,
+            "dst_bytes",
+            &format!("[n_rows {n_rows}, hidden {hidden}]"),
+        )?;
+        let src_region = data_region(src, src_bytes, dtype, "src")?;
+        let dst_region = data_region(dst.cast_const(), dst_bytes, dtype, "dst")?;
+        let (rows, rows_region) = in_array(rows, n_rows, "rows")?;
+        check_disjoint(&[dst_region], &[src_region, rows_region])?;
+        let (n_src, n_dst) = (src_bytes / dtype.size(), dst_bytes / dtype.size());
+        fn go<T: Copy + Send + Sync>(
+            src: *const c_void,
+            n_src: usize,
+            dst: *mut c_void,
+            n_dst: usize,
+            hidden: usize,
+            rows: &[u64],
+            divisor: usize,
+        ) -> crate::error::Result<()> {
+            // SAFETY: both regions passed data_region (aligned for 2-, 4- or 8-byte elements,
+            // in range) and check_disjoint; the caller guarantees the memory.
+            let (src, dst) = unsafe {
+                let src: &[T] = if n_src == 0 { &[] } else { std::slice::from_raw_parts(src.cast(), n_src) };
+                (src, out_slice::<T>(dst.cast(), n_dst))
+            };
+            if divisor == 1 {
+                route::permute(src, hidden, rows, dst)
+            } else {
+                route::permute_tokens(src, hidden, rows, divisor, dst)
+            }
+        }
+        Ok(match dtype.size() {
+            2 => go::<u16>(src, n_src, dst, n_dst, hidden, rows, row_divisor),
+            4 => go::<u32>(src, n_src, dst, n_dst, hidden, rows, row_divisor),
+            _ => go::<u64>(src, n_src, dst, n_dst, hidden, rows, row_divisor),
+        }?)
+    })
+}
+
+/// The combine unpermute: `out[t, :] = sum over k of probs[t, k] * permuted[inv[t * top_k + k], :]`,
+/// where `inv` inverts `permutation` (fsdpturbo_route's, a permutation of 0..tokens*top_k) and
+/// `permuted[tokens * top_k, hidden]` is in permuted order; `out[tokens, hidden]`. `probs`
+/// (`[tokens, top_k]`, same element type, `probs_bytes` exactly that) may be NULL with
+/// `probs_bytes` 0: every weight is then 1 (with top_k 1 this inverts fsdpturbo_permute_rows).
+/// Deterministic: the sum runs over k in k order in f32 (double for F64 data) and is rounded
+/// once; bf16/f16 results round to nearest even. A `permutation` that is not a permutation is
+/// rejected.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_unpermute(
+    dtype: i32,
+    permuted: *const c_void,
+    permuted_bytes: usize,
+    hidden: usize,
+    permutation: *const u64,
+    tokens: usize,
+    top_k: usize,
+    probs: *const c_void,
+    probs_bytes: usize,
+    out: *mut c_void,
+    out_bytes: usize,
+) -> i32 {
+    boundary(|| {
+        let dtype = Dtype::of(dtype)?;
+        if hidden == 0 {
+            return Err(invalid("`hidden` must be >= 1, got 0".into()));
+        }
+        if top_k == 0 {
+            return Err(invalid("`top_k` must be >= 1, got 0".into()));
+        }
+        let slots = tokens
+            .checked_mul(top_k)
+            .ok_or_else(|| invalid(format!("tokens ({tokens}) × top_k ({top_k}) overflows")))?;
+        let shape = format!("[tokens {tokens} × top_k {top_k}, hidden {hidden}]");
+        expect_bytes(permuted_bytes, slots.checked_mul(hidden), dtype, "permuted_bytes", &shape)?;
+        expect_bytes(
+            out_bytes,
+            tokens.checked_mul(hidden),
+            dtype,
+            "out_bytes",
+            &format!("[tokens {tokens}, hidden {hidden}]"),
+        )?;
+        let has_probs = !probs.is_null();
+        if has_probs {
+            expect_bytes(
+                probs_bytes,
+                Some(slots),
+                dtype,
+                "probs_bytes",
+                &format!("[tokens {tokens}, top_k {top_k}]"),
+            )?;
+        } else if probs_bytes != 0 {
+            return Err(invalid(format!(
+                "`probs` is NULL but `probs_bytes` is {probs_bytes}; pass 0 for no weights"
+            )));
+        }
+        let permuted_region = data_region(permuted, permuted_bytes, dtype, "permuted")?;
+        let probs_region = data_region(probs, probs_bytes, dtype, "probs")?;
+        let out_region = data_region(out.cast_const(), out_bytes, dtype, "out")?;
+        let (perm, perm_region) = in_array(permutation, slots, "permutation")?;
+        check_disjoint(&[out_region], &[permuted_region, probs_region, perm_region])?;
+        // SAFETY: every region passed data_region, and `out` check_disjoint.
+        let (y, p, o) = unsafe {
+            (
+                host_buf(permuted, permuted_bytes, dtype),
+                has_probs.then(|| host_buf(probs, probs_bytes, dtype)),
+                host_buf_mut(out, out_bytes, dtype),
+            )
+        };
+        Ok(route::unpermute(y, hidden, perm, top_k, p, o)?)
+    })
+}
+
+/// Which grouped GEMM an extern function is.
+#[derive(Clone, Copy)]
+enum Gemm {
+    Forward,
+    GradInput,
+    GradWeight,
+}
+
+/// The shared body of the grouped-matmul functions: `a`, `b` inputs, `c` output.
+#[allow(clippy::too_many_arguments)]
+fn grouped(
+    which: Gemm,
+    dtype: i32,
+    a: (*const c_void, usize, &str),
+    b: (*const c_void, usize, &str),
+    group_rows: *const u64,
+    groups: usize,
+    in_features: usize,
+    out_features: usize,
+    c: (*mut c_void, usize, &str),
+) -> Result<(), FfiError> {
+    let dtype = Dtype::of(dtype)?;
+    let (counts, counts_region) = in_array(group_rows, groups, "group_rows")?;
+    let ra = data_region(a.0, a.1, dtype, a.2)?;
+    let rb = data_region(b.0, b.1, dtype, b.2)?;
+    let rc = data_region(c.0.cast_const(), c.1, dtype, c.2)?;
+    check_disjoint(&[rc], &[ra, rb, counts_region])?;
+    // SAFETY: every region passed data_region, and the output check_disjoint.
+    let (a, b, c) =
+        unsafe { (host_buf(a.0, a.1, dtype), host_buf(b.0, b.1, dtype), host_buf_mut(c.0, c.1, dtype)) };
+    let (i, o) = (in_features, out_features);
+    Ok(match which {
+        Gemm::Forward => route::grouped_matmul(a, counts, b, i, o, c),
+        Gemm::GradInput => route::grouped_matmul_grad_input(a, counts, b, i, o, c),
+        Gemm::GradWeight => route::grouped_matmul_grad_weight(a, b, counts, i, o, c),
+    }?)
+}
+
+/// Grouped matmul (the experts' GEMM): `x[N, in_features]` holds `group_rows[g]` consecutive
+/// rows for each of the `groups` groups (N = sum of group_rows), `weight[groups, out_features,
+/// in_features]` (the HF expert layout), and `y[rows of g] = x[rows of g] @ weight[g]^T`,
+/// `y[N, out_features]`. One element type for all buffers (F32, F64, BF16, F16; bf16/f16
+/// accumulate in f32); `*_bytes` must match the shapes exactly. Empty groups are fine. Large
+/// problems use all cores; results do not depend on the thread count.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_grouped_matmul(
+    dtype: i32,
+    x: *const c_void,
+    x_bytes: usize,
+    group_rows: *const u64,
+    groups: usize,
+    in_features: usize,
+    out_features: usize,
+    weight: *const c_void,
+    weight_bytes: usize,
+    y: *mut c_void,
+    y_bytes: usize,
+) -> i32 {
+    boundary(|| {
+        grouped(
+            Gemm::Forward,
+            dtype,
+            (x, x_bytes, "x"),
+            (weight, weight_bytes, "weight"),
+            group_rows,
+            groups,
+            in_features,
+            out_features,
+            (y, y_bytes, "y"),
+        )
+    })
+}
+
+/// The input gradient of fsdpturbo_grouped_matmul: `grad_x[rows of g] = grad_y[rows of g] @
+/// weight[g]`, `grad_y[N, out_features]`, `grad_x[N, in_features]`; shapes and types as there.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_grouped_matmul_grad_input(
+    dtype: i32,
+    grad_y: *const c_void,
+    grad_y_bytes: usize,
+    group_rows: *const u64,
+    groups: usize,
+    in_features: usize,
+    out_features: usize,
+    weight: *const c_void,
+    weight_bytes: usize,
+    grad_x: *mut c_void,
+    grad_x_bytes: usize,
+) -> i32 {
+    boundary(|| {
+        grouped(
+            Gemm::GradInput,
+            dtype,
+            (grad_y, grad_y_bytes, "grad_y"),
+            (weight, weight_bytes, "weight"),
+            group_rows,
+            groups,
+            in_features,
+            out_features,
+            (grad_x, grad_x_bytes, "grad_x"),
+        )
+    })
+}
+
+/// The weight gradient of fsdpturbo_grouped_matmul: `grad_weight[g] = grad_y[rows of g]^T @
+/// x[rows of g]`, `grad_weight[groups, out_features, in_features]`, zero for empty groups;
+/// shapes and types as there.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_grouped_matmul_grad_weight(
+    dtype: i32,
+    grad_y: *const c_void,
+    grad_y_bytes: usize,
+    x: *const c_void,
+    x_bytes: usize,
+    group_rows: *const u64,
+    groups: usize,
+    in_features: usize,
+    out_features: usize,
+    grad_weight: *mut c_void,
+    grad_weight_bytes: usize,
+) -> i32 {
+    boundary(|| {
+        grouped(
+            Gemm::GradWeight,
+            dtype,
+            (grad_y, grad_y_bytes, "grad_y"),
+            (x, x_bytes, "x"),
+            group_rows,
+            groups,
+            in_features,
+            out_features,
+            (grad_weight, grad_weight_bytes, "grad_weight"),
+        )
+    })
+}

@@ -199,29 +199,11 @@ pub fn route_into(
         next.push(start);
         start += c;
     }
-    // Pass 3: scatter in flat order, which makes the sort stable. The experts' output regions
-    // are often a multiple of 4 KiB apart, so writing them directly makes the cache ways of
-    // one set thrash; each expert's slots are staged in a one-line buffer (all buffers
-    // contiguous) and written out eight at a time.
-    const LINE: usize = 8;
-    let mut staged = vec![[0u64; LINE]; num_experts];
-    let mut filled = vec![0u8; num_experts];
+    // Pass 3: scatter in flat order, which makes the sort stable.
     for (j, &id) in expert_ids.iter().enumerate() {
-        let e = id as usize;
-        let f = filled[e] as usize;
-        staged[e][f] = j as u64;
-        if f + 1 == LINE {
-            let at = next[e];
-            permutation[at..at + LINE].copy_from_slice(&staged[e]);
-            next[e] = at + LINE;
-            filled[e] = 0;
-        } else {
-            filled[e] = (f + 1) as u8;
-        }
-    }
-    for e in 0..num_experts {
-        let (at, f) = (next[e], filled[e] as usize);
-        permutation[at..at + f].copy_from_slice(&staged[e][..f]);
+        let at = &mut next[id as usize];
+        permutation[*at] = j as u64;
+        *at += 1;
     }
     for (dst, &c) in tokens_per_expert.iter_mut().zip(&counts) {
         *dst = c as u64;
@@ -401,6 +383,30 @@ fn available_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// How the host kernels run. The default: all available cores for large problems, and the
+/// AVX2 + FMA code where the CPU has it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOptions {
+    /// The most threads to use (`Some(0)` and `Some(1)`: the calling thread alone); `None`:
+    /// all available cores for problems above [`PARALLEL_MIN_ELEMS`] elements
+    /// ([`GEMM_PARALLEL_MIN_FLOPS`] for the GEMMs), one thread below. Results never depend on it.
+    pub threads: Option<usize>,
+    /// Use the portable loops even where the CPU has AVX2 + FMA. The unpermute gives identical
+    /// results either way; the GEMM's register tile uses fused multiply-adds on the AVX2 path,
+    /// so its last bits differ between the two (each is deterministic).
+    pub portable: bool,
+}
+
+impl KernelOptions {
+    fn threads_for(&self, work: usize, threshold: usize) -> usize {
+        self.threads.unwrap_or(if work >= threshold { available_threads() } else { 1 })
+    }
+
+    fn simd(&self) -> bool {
+        !self.portable && simd_available()
+    }
+}
+
 /// Runs `f(i, chunk)` over consecutive chunks of `dst` of `per` elements (the last may be
 /// shorter) on up to `threads` threads.
 fn for_chunks<T: Send>(dst: &mut [T], per: usize, threads: usize, f: impl Fn(usize, &mut [T]) + Sync) {
@@ -558,6 +564,19 @@ pub fn unpermute(
     probs: Option<HostBuf>,
     out: HostBufMut,
 ) -> Result<()> {
+    unpermute_with(permuted, hidden, permutation, top_k, probs, out, KernelOptions::default())
+}
+
+/// [`unpermute`] with explicit [`KernelOptions`].
+pub fn unpermute_with(
+    permuted: HostBuf,
+    hidden: usize,
+    permutation: &[u64],
+    top_k: usize,
+    probs: Option<HostBuf>,
+    out: HostBufMut,
+    options: KernelOptions,
+) -> Result<()> {
     check_hidden(hidden)?;
     if top_k == 0 {
         return Err(invalid("top_k must be >= 1, got 0".into()));
@@ -577,10 +596,11 @@ pub fn unpermute(
     }
     same_dtype(&bufs)?;
     let inv = invert_permutation(permutation)?;
-    let threads = if want >= PARALLEL_MIN_ELEMS { available_threads() } else { 1 };
+    let threads = options.threads_for(want, PARALLEL_MIN_ELEMS);
+    let simd = options.simd();
     macro_rules! go {
         ($y:expr, $p:expr, $out:expr, $dec:expr, $enc:expr, $acc:ty) => {
-            unpermute_kernel::<_, $acc>($y, hidden, &inv, top_k, $p, $out, $dec, $enc, threads)
+            unpermute_kernel::<_, $acc>($y, hidden, &inv, top_k, $p, $out, $dec, $enc, threads, simd)
         };
     }
     match (permuted, probs, out) {
@@ -622,32 +642,74 @@ fn unpermute_kernel<T: Copy + Send + Sync, A: Acc>(
     dec: impl Fn(T) -> A + Sync,
     enc: impl Fn(A) -> T + Sync,
     threads: usize,
+    simd: bool,
 ) {
     let per_chunk = (PARALLEL_MIN_ELEMS / 4 / (hidden * k)).max(1);
     for_chunks(out, per_chunk * hidden, threads, |c, out| {
-        let mut acc = vec![A::default(); hidden];
-        for (i, dst) in out.chunks_exact_mut(hidden).enumerate() {
-            let t = c * per_chunk + i;
-            for kk in 0..k {
-                let slot = t * k + kk;
-                let r = inv[slot] as usize;
-                let row = &y[r * hidden..(r + 1) * hidden];
-                match (probs, kk) {
-                    (None, 0) => acc.iter_mut().zip(row).for_each(|(a, &v)| *a = dec(v)),
-                    (None, _) => acc.iter_mut().zip(row).for_each(|(a, &v)| *a = *a + dec(v)),
-                    (Some(p), 0) => {
-                        let w = dec(p[slot]);
-                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a = w * dec(v));
-                    }
-                    (Some(p), _) => {
-                        let w = dec(p[slot]);
-                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a = *a + w * dec(v));
-                    }
+        let rows = Rows { y, hidden, inv, k, probs, first: c * per_chunk };
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+            return unsafe { unpermute_rows_avx2(&rows, out, &dec, &enc) };
+        }
+        let _ = simd;
+        unpermute_rows(&rows, out, &dec, &enc)
+    });
+}
+
+/// The inputs of one chunk of unpermuted tokens, starting at token `first`.
+struct Rows<'a, T> {
+    y: &'a [T],
+    hidden: usize,
+    inv: &'a [u64],
+    k: usize,
+    probs: Option<&'a [T]>,
+    first: usize,
+}
+
+/// [`unpermute_rows`] compiled for AVX2 (element-wise operations only, so the results are
+/// those of the portable build).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn unpermute_rows_avx2<T: Copy, A: Acc>(
+    rows: &Rows<T>,
+    out: &mut [T],
+    dec: &impl Fn(T) -> A,
+    enc: &impl Fn(A) -> T,
+) {
+    unpermute_rows(rows, out, dec, enc)
+}
+
+#[inline(always)]
+fn unpermute_rows<T: Copy, A: Acc>(
+    rows: &Rows<T>,
+    out: &mut [T],
+    dec: &impl Fn(T) -> A,
+    enc: &impl Fn(A) -> T,
+) {
+    let (hidden, k) = (rows.hidden, rows.k);
+    let mut acc = vec![A::default(); hidden];
+    for (i, dst) in out.chunks_exact_mut(hidden).enumerate() {
+        let t = rows.first + i;
+        for kk in 0..k {
+            let slot = t * k + kk;
+            let r = rows.inv[slot] as usize;
+            let row = &rows.y[r * hidden..(r + 1) * hidden];
+            match (rows.probs, kk) {
+                (None, 0) => acc.iter_mut().zip(row).for_each(|(a, &v)| *a = dec(v)),
+                (None, _) => acc.iter_mut().zip(row).for_each(|(a, &v)| *a = *a + dec(v)),
+                (Some(p), 0) => {
+                    let w = dec(p[slot]);
+                    acc.iter_mut().zip(row).for_each(|(a, &v)| *a = w * dec(v));
+                }
+                (Some(p), _) => {
+                    let w = dec(p[slot]);
+                    acc.iter_mut().zip(row).for_each(|(a, &v)| *a = *a + w * dec(v));
                 }
             }
-            dst.iter_mut().zip(&acc).for_each(|(d, &a)| *d = enc(a));
         }
-    });
+        dst.iter_mut().zip(&acc).for_each(|(d, &a)| *d = enc(a));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -661,6 +723,8 @@ const MR: usize = 6;
 pub const GEMM_KC: usize = 256;
 /// Rows of A packed at a time (a multiple of MR).
 const MC: usize = 72;
+/// Elements of packed B per task and thread: B is packed this many K blocks at a time.
+const B_PACK_BUDGET: usize = 1 << 20;
 /// The most rows of C per task (a multiple of MR): B is packed once per task and K block, so
 /// tasks are tall; a group's rows are cut into near-equal parts of at most MB rows.
 const MB: usize = 1020;
@@ -670,6 +734,9 @@ const MB: usize = 1020;
 trait GemmAcc: Acc {
     const NR: usize;
     const NC: usize;
+    /// Packs depth `k0..k0 + klen` of B (indices `mn0..mn0 + len`) as consecutive K blocks of
+    /// [`GEMM_KC`] (the last may be shorter), block `kb` at `dst[np·(kb - k0)..]` with
+    /// np = `len` rounded up to NR, each laid out as [`pack`] does. `tmp` is scratch.
     #[allow(clippy::too_many_arguments)]
     fn pack_b<T: Copy>(
         src: &[T],
@@ -677,12 +744,13 @@ trait GemmAcc: Acc {
         mn0: usize,
         len: usize,
         k0: usize,
-        kc: usize,
+        klen: usize,
         dst: &mut [Self],
         dec: &impl Fn(T) -> Self,
+        simd: bool,
+        tmp: &mut Vec<Self>,
     );
     fn kernel(simd: bool, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], ldc: usize);
-    fn simd() -> bool;
 }
 
 /// A strided operand: element (mn, p) (row/column index, depth index) at
@@ -761,6 +829,26 @@ fn pack<T: Copy, A: Acc, const R: usize>(
     }
 }
 
+/// [`pack`] for every K block of depth `k0..k0 + klen`, laid out as `GemmAcc::pack_b` says.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pack_blocks<T: Copy, A: Acc, const R: usize>(
+    src: &[T],
+    op: Operand,
+    mn0: usize,
+    len: usize,
+    k0: usize,
+    klen: usize,
+    dst: &mut [A],
+    dec: &impl Fn(T) -> A,
+) {
+    let np = round_up(len, R);
+    for kb in (k0..k0 + klen).step_by(GEMM_KC) {
+        let kc = GEMM_KC.min(k0 + klen - kb);
+        pack::<T, A, R>(src, op, mn0, len, kb, kc, &mut dst[np * (kb - k0)..np * (kb - k0 + kc)], dec);
+    }
+}
+
 impl GemmAcc for f32 {
     const NR: usize = 16;
     const NC: usize = 256;
@@ -772,11 +860,19 @@ impl GemmAcc for f32 {
         mn0: usize,
         len: usize,
         k0: usize,
-        kc: usize,
+        klen: usize,
         dst: &mut [f32],
         dec: &impl Fn(T) -> f32,
+        simd: bool,
+        tmp: &mut Vec<f32>,
     ) {
-        pack::<T, f32, 16>(src, op, mn0, len, k0, kc, dst, dec)
+        #[cfg(target_arch = "x86_64")]
+        if simd && op.s_k == 1 {
+            // SAFETY: the CPU has AVX2 and FMA (`simd` comes from the run-time check).
+            return unsafe { x86::pack_b_t16(src, op, mn0, len, k0, klen, dst, dec, tmp) };
+        }
+        let _ = (simd, tmp);
+        pack_blocks::<T, f32, 16>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
     fn kernel(simd: bool, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
@@ -802,9 +898,6 @@ impl GemmAcc for f32 {
             }
         }
     }
-    fn simd() -> bool {
-        simd_available()
-    }
 }
 
 impl GemmAcc for f64 {
@@ -818,11 +911,13 @@ impl GemmAcc for f64 {
         mn0: usize,
         len: usize,
         k0: usize,
-        kc: usize,
+        klen: usize,
         dst: &mut [f64],
         dec: &impl Fn(T) -> f64,
+        _simd: bool,
+        _tmp: &mut Vec<f64>,
     ) {
-        pack::<T, f64, 8>(src, op, mn0, len, k0, kc, dst, dec)
+        pack_blocks::<T, f64, 8>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
     fn kernel(simd: bool, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], ldc: usize) {
@@ -847,9 +942,6 @@ impl GemmAcc for f64 {
             }
         }
     }
-    fn simd() -> bool {
-        simd_available()
-    }
 }
 
 fn simd_available() -> bool {
@@ -868,7 +960,116 @@ fn simd_available() -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::MR;
+    use super::{GEMM_KC, MR, Operand, pack, round_up};
+
+    /// The columns of an 8 × 8 block given as 8 rows.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        // Columns j (low 128 bits) and j + 4 (high) of rows 0..4, then of rows 4..8.
+        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let s1 = _mm256_shuffle_ps::<0xee>(t0, t2);
+        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let s3 = _mm256_shuffle_ps::<0xee>(t1, t3);
+        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
+        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ]
+    }
+
+    /// `pack_blocks::<T, f32, 16>` for an operand whose depth is contiguous (`s_k == 1`): each
+    /// whole panel's 16 rows are first decoded into `tmp` over the full depth range (one long
+    /// sequential read per row; reading the rows side by side, often a multiple of 4 KiB
+    /// apart, would make the cache sets thrash and defeat the prefetchers), then transposed
+    /// 8 × 8 in registers into each K block. Writes the same values as the portable pack.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pack_b_t16<T: Copy>(
+        src: &[T],
+        op: Operand,
+        mn0: usize,
+        len: usize,
+        k0: usize,
+        klen: usize,
+        dst: &mut [f32],
+        dec: &impl Fn(T) -> f32,
+        tmp: &mut Vec<f32>,
+    ) {
+        const R: usize = 16;
+        let full = len / R;
+        let np = round_up(len, R);
+        // Rows of `tmp` one cache line longer than needed, so they do not share cache sets.
+        let stride = klen + 16;
+        tmp.resize(R * stride, 0.0);
+        for q in 0..full {
+            let first = op.off + (mn0 + q * R) * op.s_mn + k0;
+            for (l, out) in tmp.chunks_exact_mut(stride).enumerate() {
+                for (o, &v) in out[..klen].iter_mut().zip(&src[first + l * op.s_mn..][..klen]) {
+                    *o = dec(v);
+                }
+            }
+            let rows: [&[f32]; R] = std::array::from_fn(|l| &tmp[l * stride..l * stride + klen]);
+            for kb in (k0..k0 + klen).step_by(GEMM_KC) {
+                let kc = GEMM_KC.min(k0 + klen - kb);
+                let d = kb - k0;
+                let panel = &mut dst[np * d + q * kc * R..np * d + (q + 1) * kc * R];
+                let whole = kc / 8 * 8;
+                for b in (0..whole).step_by(8) {
+                    for half in 0..2 {
+                        // SAFETY: `d + b + 8 <= klen`: each row holds the 8 floats read.
+                        let v: [__m256; 8] = std::array::from_fn(|i| unsafe {
+                            _mm256_loadu_ps(rows[half * 8 + i][d + b..d + b + 8].as_ptr())
+                        });
+                        for (p, col) in transpose8(v).into_iter().enumerate() {
+                            let at = &mut panel[(b + p) * R + half * 8..][..8];
+                            // SAFETY: `at` holds 8 floats.
+                            unsafe { _mm256_storeu_ps(at.as_mut_ptr(), col) };
+                        }
+                    }
+                }
+                for p in whole..kc {
+                    for l in 0..R {
+                        panel[p * R + l] = rows[l][d + p];
+                    }
+                }
+            }
+        }
+        if full * R < len {
+            // The last, partial panel of each block.
+            for kb in (k0..k0 + klen).step_by(GEMM_KC) {
+                let kc = GEMM_KC.min(k0 + klen - kb);
+                let at = np * (kb - k0) + full * kc * R;
+                pack::<T, f32, R>(
+                    src,
+                    op,
+                    mn0 + full * R,
+                    len - full * R,
+                    kb,
+                    kc,
+                    &mut dst[at..at + R * kc],
+                    dec,
+                );
+            }
+        }
+    }
 
     /// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·16 + j]`, i < 6, j < 16.
     ///
@@ -981,6 +1182,7 @@ struct Workspace<A> {
     a: Vec<A>,
     b: Vec<A>,
     c: Vec<A>,
+    t: Vec<A>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1001,28 +1203,35 @@ fn run_task<T: Copy, A: GemmAcc>(
     let np = round_up(task.n_len, nr);
     let scratch = &mut ws.c[..mp * np];
     scratch.fill(A::default());
-    let mut k0 = 0;
-    while k0 < p.k {
-        let kc = GEMM_KC.min(p.k - k0);
-        let bpack = &mut ws.b[..np * kc];
-        A::pack_b(b_src, p.b, task.n0, task.n_len, k0, kc, bpack, dec);
-        let mut i0 = 0;
-        while i0 < task.m_len {
-            let mc = MC.min(task.m_len - i0);
-            let mcp = round_up(mc, MR);
-            let apack = &mut ws.a[..mcp * kc];
-            pack::<T, A, MR>(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec);
-            for jr in 0..np / nr {
-                let bp = &bpack[jr * kc * nr..(jr + 1) * kc * nr];
-                for ir in 0..mcp / MR {
-                    let ap = &apack[ir * kc * MR..(ir + 1) * kc * MR];
-                    let tile = (i0 + ir * MR) * np + jr * nr;
-                    A::kernel(simd, kc, ap, bp, &mut scratch[tile..], np);
-                }
-            }
-            i0 += MC;
+    // B is packed a chunk of whole K blocks at a time (all of K when it fits the budget).
+    let chunk = (B_PACK_BUDGET / np / GEMM_KC).max(1) * GEMM_KC;
+    for c0 in (0..p.k).step_by(chunk) {
+        let clen = chunk.min(p.k - c0);
+        if ws.b.len() < np * clen {
+            ws.b.resize(np * clen, A::default());
         }
-        k0 += GEMM_KC;
+        let bchunk = &mut ws.b[..np * clen];
+        A::pack_b(b_src, p.b, task.n0, task.n_len, c0, clen, bchunk, dec, simd, &mut ws.t);
+        for k0 in (c0..c0 + clen).step_by(GEMM_KC) {
+            let kc = GEMM_KC.min(c0 + clen - k0);
+            let bpack = &bchunk[np * (k0 - c0)..np * (k0 - c0 + kc)];
+            let mut i0 = 0;
+            while i0 < task.m_len {
+                let mc = MC.min(task.m_len - i0);
+                let mcp = round_up(mc, MR);
+                let apack = &mut ws.a[..mcp * kc];
+                pack::<T, A, MR>(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec);
+                for jr in 0..np / nr {
+                    let bp = &bpack[jr * kc * nr..(jr + 1) * kc * nr];
+                    for ir in 0..mcp / MR {
+                        let ap = &apack[ir * kc * MR..(ir + 1) * kc * MR];
+                        let tile = (i0 + ir * MR) * np + jr * nr;
+                        A::kernel(simd, kc, ap, bp, &mut scratch[tile..], np);
+                    }
+                }
+                i0 += MC;
+            }
+        }
     }
     for i in 0..task.m_len {
         // SAFETY: this task alone covers rows m0..m0+m_len, columns n0..n0+n_len of this
@@ -1058,6 +1267,7 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
     c: &mut [T],
     problems: &[Problem],
     threads: usize,
+    simd: bool,
     dec: impl Fn(T) -> A + Sync,
     enc: impl Fn(A) -> T + Sync,
 ) {
@@ -1077,15 +1287,15 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
             }
         }
     }
-    let simd = A::simd();
     let out = SharedOut { ptr: c.as_mut_ptr(), len: c.len() };
     let next = AtomicUsize::new(0);
-    let max_k = problems.iter().map(|p| p.k.min(GEMM_KC)).max().unwrap_or(0);
+    let max_k = problems.iter().map(|p| p.k).max().unwrap_or(0);
     let worker = || {
         let mut ws = Workspace {
-            a: vec![A::default(); MC * max_k],
-            b: vec![A::default(); A::NC * max_k],
+            a: vec![A::default(); MC * max_k.min(GEMM_KC)],
+            b: Vec::new(),
             c: vec![A::default(); MB * A::NC],
+            t: Vec::new(),
         };
         loop {
             let t = next.fetch_add(1, Ordering::Relaxed);
@@ -1151,7 +1361,7 @@ fn grouped(
     group_rows: &[u64],
     in_features: usize,
     out_features: usize,
-    threads: Option<usize>,
+    options: KernelOptions,
 ) -> Result<()> {
     let (starts, n) = group_starts(group_rows)?;
     let groups = group_rows.len();
@@ -1210,19 +1420,20 @@ fn grouped(
         })
         .collect();
     let flops = 2usize.saturating_mul(n).saturating_mul(i).saturating_mul(o);
-    let threads = threads.unwrap_or(if flops >= GEMM_PARALLEL_MIN_FLOPS { available_threads() } else { 1 });
+    let threads = options.threads_for(flops, GEMM_PARALLEL_MIN_FLOPS);
+    let simd = options.simd();
     match (a.1, b.1, c.1) {
         (HostBuf::F32(x), HostBuf::F32(w), HostBufMut::F32(y)) => {
-            run_gemm(x, w, y, &problems, threads, ident, ident)
+            run_gemm(x, w, y, &problems, threads, simd, ident, ident)
         }
         (HostBuf::F64(x), HostBuf::F64(w), HostBufMut::F64(y)) => {
-            run_gemm(x, w, y, &problems, threads, ident::<f64>, ident::<f64>)
+            run_gemm(x, w, y, &problems, threads, simd, ident::<f64>, ident::<f64>)
         }
         (HostBuf::Bf16(x), HostBuf::Bf16(w), HostBufMut::Bf16(y)) => {
-            run_gemm(x, w, y, &problems, threads, bf16_to_f32, f32_to_bf16)
+            run_gemm(x, w, y, &problems, threads, simd, bf16_to_f32, f32_to_bf16)
         }
         (HostBuf::F16(x), HostBuf::F16(w), HostBufMut::F16(y)) => {
-            run_gemm(x, w, y, &problems, threads, f16_to_f32, f32_to_f16)
+            run_gemm(x, w, y, &problems, threads, simd, f16_to_f32, f32_to_f16)
         }
         _ => unreachable!("dtypes checked above"),
     }
@@ -1242,31 +1453,21 @@ pub fn grouped_matmul(
     out_features: usize,
     y: HostBufMut,
 ) -> Result<()> {
-    grouped(
-        GemmOp::Forward,
-        ("x", x),
-        ("weight", weight),
-        ("y", y),
-        group_rows,
-        in_features,
-        out_features,
-        None,
-    )
+    grouped_matmul_with(x, group_rows, weight, in_features, out_features, y, KernelOptions::default())
 }
 
-/// [`grouped_matmul`] on at most `threads` threads (0 and 1: the calling thread alone). The
-/// result is bit-for-bit the same for every `threads`.
-pub fn grouped_matmul_threads(
+/// [`grouped_matmul`] with explicit [`KernelOptions`].
+pub fn grouped_matmul_with(
     x: HostBuf,
     group_rows: &[u64],
     weight: HostBuf,
     in_features: usize,
     out_features: usize,
     y: HostBufMut,
-    threads: usize,
+    options: KernelOptions,
 ) -> Result<()> {
-    let t = Some(threads);
-    grouped(GemmOp::Forward, ("x", x), ("weight", weight), ("y", y), group_rows, in_features, out_features, t)
+    let (a, b, c) = (("x", x), ("weight", weight), ("y", y));
+    grouped(GemmOp::Forward, a, b, c, group_rows, in_features, out_features, options)
 }
 
 /// The input gradient of [`grouped_matmul`]: `grad_x[rows of g] = grad_y[rows of g] @ weight[g]`,
@@ -1279,23 +1480,22 @@ pub fn grouped_matmul_grad_input(
     out_features: usize,
     grad_x: HostBufMut,
 ) -> Result<()> {
-    let (a, b, c) = (("grad_y", grad_y), ("weight", weight), ("grad_x", grad_x));
-    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, None)
+    let options = KernelOptions::default();
+    grouped_matmul_grad_input_with(grad_y, group_rows, weight, in_features, out_features, grad_x, options)
 }
 
-/// [`grouped_matmul_grad_input`] on at most `threads` threads (0 and 1: the calling thread alone).
-pub fn grouped_matmul_grad_input_threads(
+/// [`grouped_matmul_grad_input`] with explicit [`KernelOptions`].
+pub fn grouped_matmul_grad_input_with(
     grad_y: HostBuf,
     group_rows: &[u64],
     weight: HostBuf,
     in_features: usize,
     out_features: usize,
     grad_x: HostBufMut,
-    threads: usize,
+    options: KernelOptions,
 ) -> Result<()> {
-    let t = Some(threads);
     let (a, b, c) = (("grad_y", grad_y), ("weight", weight), ("grad_x", grad_x));
-    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, t)
+    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, options)
 }
 
 /// The weight gradient of [`grouped_matmul`]: `grad_weight[g] = grad_y[rows of g]^T @ x[rows of g]`,
@@ -1308,21 +1508,20 @@ pub fn grouped_matmul_grad_weight(
     out_features: usize,
     grad_weight: HostBufMut,
 ) -> Result<()> {
-    let (a, b, c) = (("grad_y", grad_y), ("x", x), ("grad_weight", grad_weight));
-    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, None)
+    let options = KernelOptions::default();
+    grouped_matmul_grad_weight_with(grad_y, x, group_rows, in_features, out_features, grad_weight, options)
 }
 
-/// [`grouped_matmul_grad_weight`] on at most `threads` threads (0 and 1: the calling thread alone).
-pub fn grouped_matmul_grad_weight_threads(
+/// [`grouped_matmul_grad_weight`] with explicit [`KernelOptions`].
+pub fn grouped_matmul_grad_weight_with(
     grad_y: HostBuf,
     x: HostBuf,
     group_rows: &[u64],
     in_features: usize,
     out_features: usize,
     grad_weight: HostBufMut,
-    threads: usize,
+    options: KernelOptions,
 ) -> Result<()> {
-    let t = Some(threads);
     let (a, b, c) = (("grad_y", grad_y), ("x", x), ("grad_weight", grad_weight));
-    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, t)
+    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, options)
 }

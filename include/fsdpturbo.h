@@ -20,6 +20,18 @@
 #define FSDPTURBO_MODEL_DESC_INIT { sizeof(fsdpturbo_model_desc_t), NULL, NULL, 0, NULL, NULL, NULL, 0 }
 
 
+// Element type codes (`int32_t dtype` arguments): float.
+#define FSDPTURBO_DTYPE_F32 0
+
+// Element type code: double.
+#define FSDPTURBO_DTYPE_F64 1
+
+// Element type code: IEEE binary16, as uint16_t bit patterns.
+#define FSDPTURBO_DTYPE_F16 2
+
+// Element type code: bfloat16, as uint16_t bit patterns.
+#define FSDPTURBO_DTYPE_BF16 3
+
 // Success.
 #define FSDPTURBO_OK 0
 
@@ -76,18 +88,6 @@
 
 // Reduction ops passed to fsdpturbo_reduce_fn: the max of the values of the group (p = inf).
 #define FSDPTURBO_REDUCE_MAX 1
-
-// Element types of fsdpturbo_grad_t: float.
-#define FSDPTURBO_DTYPE_F32 0
-
-// Element types of fsdpturbo_grad_t: double.
-#define FSDPTURBO_DTYPE_F64 1
-
-// Element types of fsdpturbo_grad_t: IEEE binary16, as uint16_t bit patterns.
-#define FSDPTURBO_DTYPE_F16 2
-
-// Element types of fsdpturbo_grad_t: bfloat16, as uint16_t bit patterns.
-#define FSDPTURBO_DTYPE_BF16 3
 
 // Placement of a gradient on one dim of its mesh: Shard (also _StridedShard).
 #define FSDPTURBO_DIM_SHARD 0

@@ -8,6 +8,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use fsdpturbo::error::{Error, Result};
+use fsdpturbo::ffi::dtype::*;
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::norm::*;
 use fsdpturbo::ffi::status::*;

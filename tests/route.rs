@@ -8,10 +8,10 @@
 use std::ffi::c_void;
 
 use fsdpturbo::error::ErrorKind;
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
-use fsdpturbo::ffi::norm::{
+use fsdpturbo::ffi::dtype::{
     FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64,
 };
+use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::route::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::norm::{HostBuf, HostBufMut, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};

@@ -5,6 +5,7 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod dtype;
 pub mod error;
 pub mod handle;
 pub mod panic;

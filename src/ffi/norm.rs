@@ -4,6 +4,7 @@
 use std::cell::Cell;
 use std::ffi::c_void;
 
+use super::dtype::Dtype;
 use super::error::FfiError;
 use super::handle::{arg_ref, arg_slice, check_struct_size, write_out};
 use super::panic::boundary;
@@ -16,15 +17,6 @@ use crate::norm::{
 pub const FSDPTURBO_REDUCE_SUM: i32 = 0;
 /// Reduction ops passed to fsdpturbo_reduce_fn: the max of the values of the group (p = inf).
 pub const FSDPTURBO_REDUCE_MAX: i32 = 1;
-
-/// Element types of fsdpturbo_grad_t: float.
-pub const FSDPTURBO_DTYPE_F32: i32 = 0;
-/// Element types of fsdpturbo_grad_t: double.
-pub const FSDPTURBO_DTYPE_F64: i32 = 1;
-/// Element types of fsdpturbo_grad_t: IEEE binary16, as uint16_t bit patterns.
-pub const FSDPTURBO_DTYPE_F16: i32 = 2;
-/// Element types of fsdpturbo_grad_t: bfloat16, as uint16_t bit patterns.
-pub const FSDPTURBO_DTYPE_BF16: i32 = 3;
 
 /// Placement of a gradient on one dim of its mesh: Shard (also _StridedShard).
 pub const FSDPTURBO_DIM_SHARD: i32 = 0;
@@ -126,36 +118,6 @@ fn clip_options(ptr: *const fsdpturbo_clip_options_t) -> Result<ClipOptions, Ffi
         )));
     }
     Ok(ClipOptions { norm, max_norm, error_if_nonfinite, accumulate_f64 })
-}
-
-#[derive(Clone, Copy)]
-enum Dtype {
-    F32,
-    F64,
-    F16,
-    Bf16,
-}
-
-impl Dtype {
-    fn of(code: i32, name: &str) -> Result<Dtype, FfiError> {
-        match code {
-            FSDPTURBO_DTYPE_F32 => Ok(Dtype::F32),
-            FSDPTURBO_DTYPE_F64 => Ok(Dtype::F64),
-            FSDPTURBO_DTYPE_F16 => Ok(Dtype::F16),
-            FSDPTURBO_DTYPE_BF16 => Ok(Dtype::Bf16),
-            other => Err(invalid(format!(
-                "`{name}` is {other}, not an FSDPTURBO_DTYPE_* value (F32=0, F64=1, F16=2, BF16=3)"
-            ))),
-        }
-    }
-
-    fn size(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::F64 => 8,
-            Dtype::F16 | Dtype::Bf16 => 2,
-        }
-    }
 }
 
 /// Checks that `numel` elements of `dtype` at `ptr` may be viewed as a slice: non-NULL (unless

@@ -7,9 +7,9 @@
 
 use std::ffi::c_void;
 
+use super::dtype::Dtype;
 use super::error::FfiError;
 use super::handle::write_out;
-use super::norm::{FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64};
 use super::panic::boundary;
 use super::status::{
     FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
@@ -19,36 +19,6 @@ use crate::route;
 
 fn invalid(message: String) -> FfiError {
     FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
-}
-
-#[derive(Clone, Copy)]
-enum Dtype {
-    F32,
-    F64,
-    F16,
-    Bf16,
-}
-
-impl Dtype {
-    fn of(code: i32) -> Result<Dtype, FfiError> {
-        match code {
-            FSDPTURBO_DTYPE_F32 => Ok(Dtype::F32),
-            FSDPTURBO_DTYPE_F64 => Ok(Dtype::F64),
-            FSDPTURBO_DTYPE_F16 => Ok(Dtype::F16),
-            FSDPTURBO_DTYPE_BF16 => Ok(Dtype::Bf16),
-            other => Err(invalid(format!(
-                "`dtype` is {other}, not an FSDPTURBO_DTYPE_* value (F32=0, F64=1, F16=2, BF16=3)"
-            ))),
-        }
-    }
-
-    fn size(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::F64 => 8,
-            Dtype::F16 | Dtype::Bf16 => 2,
-        }
-    }
 }
 
 /// A memory region of an argument, for the overlap check.
@@ -352,7 +322,7 @@ pub extern "C" fn fsdpturbo_permute_rows(
     dst_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let dtype = Dtype::of(dtype)?;
+        let dtype = Dtype::of(dtype, "dtype")?;
         if hidden == 0 {
             return Err(invalid("`hidden` must be >= 1, got 0".into()));
         }
@@ -432,7 +402,7 @@ pub extern "C" fn fsdpturbo_unpermute(
     out_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let dtype = Dtype::of(dtype)?;
+        let dtype = Dtype::of(dtype, "dtype")?;
         if hidden == 0 {
             return Err(invalid("`hidden` must be >= 1, got 0".into()));
         }
@@ -503,7 +473,7 @@ fn grouped(
     out_features: usize,
     c: (*mut c_void, usize, &str),
 ) -> Result<(), FfiError> {
-    let dtype = Dtype::of(dtype)?;
+    let dtype = Dtype::of(dtype, "dtype")?;
     let (counts, counts_region) = in_array(group_rows, groups, "group_rows")?;
     let ra = data_region(a.0, a.1, dtype, a.2)?;
     let rb = data_region(b.0, b.1, dtype, b.2)?;

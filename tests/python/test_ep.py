@@ -200,3 +200,40 @@ def _bf16_agreement_rank_fn(rank, world):
 
 def test_fused_and_eager_agree_in_bf16_and_fused_is_deterministic():
     run_ranks(_bf16_agreement_rank_fn, 2)
+
+
+def _user_dispatcher(ep_group, module, hidden_states, top_k_index, top_k_weights):
+    """A user callable, bound to the EP group as the seed does: delegates to eager."""
+    module.user_calls = getattr(module, "user_calls", 0) + 1
+    from fsdpturbo.ep import _eager_forward
+
+    return _eager_forward(module, hidden_states, top_k_index, top_k_weights, ep_group=ep_group)
+
+
+def _callable_rank_fn(rank, world):
+    block = _block(4, 2, torch.float64)
+    reference = _block(4, 2, torch.float64)
+    state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
+    expert_parallelize_modules(block, state.sub_mesh("ep"),
+                               EPPlanConfig(apply_modules=["experts"], dispatcher=_user_dispatcher))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    index = torch.tensor([[0, 3], [1, 2], [3, 0]])
+    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    # Swapped arguments and full router probabilities [T, E] are normalised like the seed's.
+    probs = torch.zeros(3, 4, dtype=torch.float64).scatter(1, index, weights)
+    out = block.experts(x, probs, index)
+    torch.testing.assert_close(out, reference.experts(x, index, weights), rtol=1e-12, atol=1e-12)
+    assert block.experts.user_calls == 1
+
+
+def test_user_callable_dispatcher_and_argument_normalisation():
+    run_ranks(_callable_rank_fn, 2)
+
+
+def test_unknown_and_npu_only_dispatchers_fail_when_the_plan_is_made():
+    from fsdpturbo.ep import get_dispatcher_fn
+
+    with pytest.raises(RuntimeError, match=r"Unsupported dispatcher moonep2\."):
+        get_dispatcher_fn("moonep2", None)
+    with pytest.raises(RuntimeError, match=r"'mc2' dispatcher runs only on Ascend NPUs"):
+        get_dispatcher_fn("mc2", None)

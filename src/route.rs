@@ -884,18 +884,28 @@ impl GemmAcc for f32 {
             return unsafe { x86::kernel_f32(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
         }
         let _ = simd;
-        let mut acc = [[0f32; 16]; MR];
-        for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(16)).take(kc) {
-            for i in 0..MR {
-                for j in 0..16 {
-                    acc[i][j] += ap[i] * bp[j];
-                }
+        portable_kernel::<f32, 16>(kc, a, b, c, ldc)
+    }
+}
+
+/// The portable micro-kernel (f32 and f64): an MR × NR tile of C += A-panel × B-panel over
+/// `kc` steps, for CPUs without AVX2/FMA.
+#[inline(always)]
+fn portable_kernel<T, const NR: usize>(kc: usize, a: &[T], b: &[T], c: &mut [T], ldc: usize)
+where
+    T: Copy + Default + std::ops::AddAssign + std::ops::Mul<Output = T>,
+{
+    let mut acc = [[T::default(); NR]; MR];
+    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(kc) {
+        for i in 0..MR {
+            for j in 0..NR {
+                acc[i][j] += ap[i] * bp[j];
             }
         }
-        for (i, row) in acc.iter().enumerate() {
-            for (cv, &v) in c[i * ldc..i * ldc + 16].iter_mut().zip(row) {
-                *cv += v;
-            }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (cv, &v) in c[i * ldc..i * ldc + NR].iter_mut().zip(row) {
+            *cv += v;
         }
     }
 }
@@ -928,19 +938,7 @@ impl GemmAcc for f64 {
             return unsafe { x86::kernel_f64(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
         }
         let _ = simd;
-        let mut acc = [[0f64; 8]; MR];
-        for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(8)).take(kc) {
-            for i in 0..MR {
-                for j in 0..8 {
-                    acc[i][j] += ap[i] * bp[j];
-                }
-            }
-        }
-        for (i, row) in acc.iter().enumerate() {
-            for (cv, &v) in c[i * ldc..i * ldc + 8].iter_mut().zip(row) {
-                *cv += v;
-            }
-        }
+        portable_kernel::<f64, 8>(kc, a, b, c, ldc)
     }
 }
 

@@ -13,6 +13,8 @@ pub mod spec;
 pub mod topology;
 
 // Runtime.
+pub mod backend;
+pub mod comm;
 pub mod state;
 
 // The C ABI.

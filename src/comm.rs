@@ -1,0 +1,246 @@
+//! Collectives the library issues itself (the grad norm's reductions, the all-to-all of C++
+//! trainers), behind one trait so that the algorithms are written once for every transport:
+//! one rank, host callbacks (how torch_ext lends a c10d process group to Rust), NCCL, HCCL.
+//!
+//! Buffers are raw pointers into the memory the collective works on (host memory for
+//! [`SingleRank`] and host callbacks, device memory on the given stream for NCCL and HCCL).
+//! Counts and displacements are in elements.
+
+use std::ffi::c_void;
+
+use crate::error::{Error, Result};
+
+/// Element types a collective moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataType {
+    U8,
+    I32,
+    I64,
+    F16,
+    Bf16,
+    F32,
+    F64,
+}
+
+impl DataType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::U8 => 1,
+            DataType::F16 | DataType::Bf16 => 2,
+            DataType::I32 | DataType::F32 => 4,
+            DataType::I64 | DataType::F64 => 8,
+        }
+    }
+}
+
+/// Reductions every transport offers (HCCL has no average: divide after a sum).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Prod,
+    Max,
+    Min,
+}
+
+/// A device stream (`cudaStream_t`, `aclrtStream`), or null for host collectives.
+#[derive(Clone, Copy, Debug)]
+pub struct Stream(pub *mut c_void);
+
+impl Stream {
+    pub const HOST: Stream = Stream(std::ptr::null_mut());
+}
+
+/// One process group's collectives. Every rank of the group must make the same calls in the
+/// same order (that is how the grad norm never deadlocks, even on ranks without gradients).
+pub trait Collective {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+
+    /// `recv[i] = op over ranks of send[i]` for `count` elements; `send` may equal `recv`.
+    ///
+    /// # Safety
+    /// `send` and `recv` point to `count` elements of `dtype` in this collective's memory.
+    unsafe fn all_reduce(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: Stream,
+    ) -> Result<()>;
+
+    /// `recv` holds every rank's `count` elements, in rank order.
+    ///
+    /// # Safety
+    /// `send` has `count` elements, `recv` has `count * world_size` elements.
+    unsafe fn all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<()>;
+
+    /// Rank r receives the reduction of every rank's r-th block of `count` elements.
+    ///
+    /// # Safety
+    /// `send` has `count * world_size` elements, `recv` has `count` elements.
+    unsafe fn reduce_scatter(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: Stream,
+    ) -> Result<()>;
+
+    /// Sends `send_counts[p]` elements at `send_displs[p]` to rank p and receives
+    /// `recv_counts[p]` elements at `recv_displs[p]` from rank p. Counts must agree pairwise.
+    ///
+    /// # Safety
+    /// Every (displacement, count) range lies inside its buffer.
+    unsafe fn all_to_all_v(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        layout: &AllToAllV,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<()>;
+}
+
+/// Split sizes of one all-to-all-v, checked once for every transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllToAllV {
+    pub send_counts: Vec<usize>,
+    pub send_displs: Vec<usize>,
+    pub recv_counts: Vec<usize>,
+    pub recv_displs: Vec<usize>,
+}
+
+impl AllToAllV {
+    /// Packed layout: displacements are the running sums of the counts.
+    pub fn packed(send_counts: Vec<usize>, recv_counts: Vec<usize>) -> AllToAllV {
+        let prefix = |counts: &[usize]| {
+            counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let at = *acc;
+                    *acc += c;
+                    Some(at)
+                })
+                .collect()
+        };
+        AllToAllV {
+            send_displs: prefix(&send_counts),
+            recv_displs: prefix(&recv_counts),
+            send_counts,
+            recv_counts,
+        }
+    }
+
+    /// Checks that there is one count and displacement per rank.
+    pub fn check(&self, world_size: usize) -> Result<()> {
+        let lists = [
+            ("send_counts", self.send_counts.len()),
+            ("send_displs", self.send_displs.len()),
+            ("recv_counts", self.recv_counts.len()),
+            ("recv_displs", self.recv_displs.len()),
+        ];
+        for (name, len) in lists {
+            if len != world_size {
+                return Err(Error::invalid(format!(
+                    "all-to-all-v: `{name}` has {len} entries; the group has {world_size} ranks and needs one per rank"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The group of one process: every collective is a copy (host memory).
+pub struct SingleRank;
+
+impl SingleRank {
+    unsafe fn copy(send: *const c_void, recv: *mut c_void, count: usize, dtype: DataType) {
+        if send != recv.cast_const() {
+            // SAFETY: the caller guarantees both ranges; they are distinct buffers or identical.
+            unsafe { std::ptr::copy(send.cast::<u8>(), recv.cast::<u8>(), count * dtype.size()) };
+        }
+    }
+}
+
+impl Collective for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    unsafe fn all_reduce(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        _op: ReduceOp,
+        _stream: Stream,
+    ) -> Result<()> {
+        unsafe { Self::copy(send, recv, count, dtype) };
+        Ok(())
+    }
+    unsafe fn all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        _stream: Stream,
+    ) -> Result<()> {
+        unsafe { Self::copy(send, recv, count, dtype) };
+        Ok(())
+    }
+    unsafe fn reduce_scatter(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        _op: ReduceOp,
+        _stream: Stream,
+    ) -> Result<()> {
+        unsafe { Self::copy(send, recv, count, dtype) };
+        Ok(())
+    }
+    unsafe fn all_to_all_v(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        layout: &AllToAllV,
+        dtype: DataType,
+        _stream: Stream,
+    ) -> Result<()> {
+        layout.check(1)?;
+        if layout.send_counts[0] != layout.recv_counts[0] {
+            return Err(Error::invalid(format!(
+                "all-to-all-v on one rank: sends {} elements to itself but expects to receive {}",
+                layout.send_counts[0], layout.recv_counts[0]
+            )));
+        }
+        let width = dtype.size();
+        // SAFETY: the caller guarantees the ranges.
+        unsafe {
+            Self::copy(
+                send.cast::<u8>().add(layout.send_displs[0] * width).cast(),
+                recv.cast::<u8>().add(layout.recv_displs[0] * width).cast(),
+                layout.send_counts[0],
+                dtype,
+            )
+        };
+        Ok(())
+    }
+}

@@ -1,0 +1,107 @@
+//! The shared run-time loader (src/backend/mod.rs) and the one-rank collective (src/comm.rs).
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+
+use fsdpturbo::backend::{LibrarySpec, add_search_dirs, load};
+use fsdpturbo::comm::{AllToAllV, Collective, DataType, ReduceOp, SingleRank, Stream};
+use fsdpturbo::error::ErrorKind;
+
+fn spec(env_var: &'static str, file_names: &'static [&'static str]) -> LibrarySpec {
+    LibrarySpec { what: "Test library", env_var, file_names, extra_dirs: LibrarySpec::no_extra_dirs }
+}
+
+#[test]
+fn loads_through_the_system_loader_and_resolves_symbols() {
+    let libc = load(&spec("FSDPTURBO_TEST_UNSET_PATH", &["libc.so.6"])).unwrap();
+    type Strlen = unsafe extern "C" fn(*const std::ffi::c_char) -> usize;
+    let strlen: Strlen = unsafe { libc.required("strlen") }.unwrap();
+    assert_eq!(unsafe { strlen(c"four".as_ptr()) }, 4);
+    assert!(unsafe { libc.optional::<Strlen>("no_such_symbol_fsdpturbo") }.is_none());
+    let err = unsafe { libc.required::<Strlen>("no_such_symbol_fsdpturbo") }.err().unwrap();
+    assert_eq!(err.kind, ErrorKind::Unavailable);
+    assert!(err.message.contains("`no_such_symbol_fsdpturbo`"), "{}", err.message);
+    assert!(err.message.contains("libc.so.6"), "{}", err.message);
+}
+
+#[test]
+fn a_missing_library_lists_everything_tried() {
+    let dir = std::env::temp_dir().join("fsdpturbo-backend-test-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    add_search_dirs([dir.clone()]);
+    let err = load(&spec("FSDPTURBO_TEST_UNSET_PATH", &["libfsdpturbo_absent.so.9"])).err().unwrap();
+    assert_eq!(err.kind, ErrorKind::Unavailable);
+    let m = &err.message;
+    assert!(
+        m.starts_with("Test library is not available on this host; tried: FSDPTURBO_TEST_UNSET_PATH (unset)"),
+        "{m}"
+    );
+    assert!(m.contains(&format!("{} (not found)", dir.join("libfsdpturbo_absent.so.9").display())), "{m}");
+    assert!(m.contains("libfsdpturbo_absent.so.9 through the system loader"), "{m}");
+    assert!(m.ends_with("Set FSDPTURBO_TEST_UNSET_PATH to the library file"), "{m}");
+}
+
+#[test]
+fn an_explicit_path_is_used_alone() {
+    // SAFETY: set once, read by this test only (unique variable name).
+    unsafe { std::env::set_var("FSDPTURBO_TEST_EXPLICIT_PATH", "/nonexistent/libx.so") };
+    let err = load(&spec("FSDPTURBO_TEST_EXPLICIT_PATH", &["libc.so.6"])).err().unwrap();
+    assert!(err.message.contains("FSDPTURBO_TEST_EXPLICIT_PATH=/nonexistent/libx.so"), "{}", err.message);
+    assert!(!err.message.contains("system loader"), "no fallback once the variable is set: {}", err.message);
+}
+
+#[test]
+fn a_found_file_in_a_search_dir_wins() {
+    let libc_dir = ["/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|d| d.join("libc.so.6").exists());
+    let Some(dir) = libc_dir else { return };
+    add_search_dirs([dir.clone()]);
+    let loaded = load(&spec("FSDPTURBO_TEST_UNSET_PATH", &["libc.so.6"])).unwrap();
+    assert_eq!(loaded.path(), dir.join("libc.so.6"));
+}
+
+#[test]
+fn single_rank_collectives_copy() {
+    let one = SingleRank;
+    assert_eq!((one.rank(), one.world_size()), (0, 1));
+    let send = [1.0f32, 2.0, 3.0, 4.0];
+    let mut recv = [0.0f32; 4];
+    unsafe {
+        one.all_reduce(
+            send.as_ptr().cast(),
+            recv.as_mut_ptr().cast(),
+            4,
+            DataType::F32,
+            ReduceOp::Sum,
+            Stream::HOST,
+        )
+    }
+    .unwrap();
+    assert_eq!(recv, send);
+    let layout =
+        AllToAllV { send_counts: vec![2], send_displs: vec![1], recv_counts: vec![2], recv_displs: vec![2] };
+    let mut out = [0.0f32; 4];
+    unsafe {
+        one.all_to_all_v(
+            send.as_ptr().cast(),
+            out.as_mut_ptr().cast::<c_void>(),
+            &layout,
+            DataType::F32,
+            Stream::HOST,
+        )
+    }
+    .unwrap();
+    assert_eq!(out, [0.0, 0.0, 2.0, 3.0]);
+    let bad = AllToAllV::packed(vec![2], vec![3]);
+    let err = unsafe {
+        one.all_to_all_v(send.as_ptr().cast(), out.as_mut_ptr().cast(), &bad, DataType::F32, Stream::HOST)
+    };
+    assert!(err.unwrap_err().message.contains("sends 2 elements to itself but expects to receive 3"));
+    let short = AllToAllV::packed(vec![], vec![]);
+    assert!(
+        short.check(2).unwrap_err().message.contains("`send_counts` has 0 entries; the group has 2 ranks")
+    );
+    assert_eq!(AllToAllV::packed(vec![3, 0, 2], vec![1, 1, 1]).send_displs, vec![0, 3, 3]);
+}

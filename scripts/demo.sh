@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh) and runs the main job: `fsdpturbo plan`, a dry run of
-# a 32-rank Qwen3-30B-A3B EP launch (pass your own arguments to plan something else, e.g.
-# scripts/demo.sh --config examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml
-#                 --model examples/models/qwen3_5_35b_a3b.json --world-size 16 --rank 3).
+# Sets everything up (scripts/setup.sh) and runs the main job: examples/train.py on CPU gloo
+# ranks through torchrun — a randomly initialised Qwen3-MoE trained with EP × EFSDP × outer FSDP2,
+# checked against the same steps in one process, then a table of dispatchers. Arguments go to
+# train.py (see `scripts/demo.sh --help`); NPROC sets the number of ranks (default 4), e.g.
+#   NPROC=8 scripts/demo.sh --ep 4 --efsdp 2 --dispatcher fused --model qwen3_5_moe --steps 10
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
-exec target/release/fsdpturbo plan "$@"
+export FSDPTURBO_LIB="$PWD/target/release/libfsdpturbo.so"
+export FSDPTURBO_TORCH_LIB="$PWD/build/torch_ext/libfsdpturbo_torch.so"
+export PYTHONPATH="$PWD/torch_ext/python${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+exec .venv/bin/torchrun --standalone --nproc-per-node "${NPROC:-4}" examples/train.py "$@"

@@ -81,6 +81,8 @@ def test_bad_names_devices_and_functions_are_rejected():
         registry.get_op("t_bad", "CPU")
     with pytest.raises(TypeError, match=r"device_type must be a str, got int"):
         registry.register_op("t_bad", 0)
+    with pytest.raises(ValueError, match=r"op_name 't_bad\\x00x' contains a NUL character"):
+        registry.get_op("t_bad\0x", "cpu")
     with pytest.raises(TypeError, match=r"decorates a callable, got int"):
         registry.register_op("t_bad", "cpu")(3)
     with pytest.raises(KeyError, match="is not registered"):

@@ -45,6 +45,8 @@ _LOCK = threading.Lock()
 def _name(value, what):
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {type(value).__name__} ({value!r})")
+    if "\0" in value:  # C strings end there: the library would see a shorter name
+        raise ValueError(f"{what} {value!r} contains a NUL character")
     return value
 
 

@@ -19,6 +19,8 @@ pub enum ErrorKind {
     BufferTooSmall,
     /// A run-time library or device capability is not available on this host.
     Unavailable,
+    /// A registry has no entry for the name asked for (an operator, or an operator on a device).
+    NotFound,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

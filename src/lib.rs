@@ -5,6 +5,7 @@
 pub mod config;
 pub mod error;
 pub mod norm;
+pub mod ops;
 pub mod pattern;
 pub mod placement;
 pub mod plan;

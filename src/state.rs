@@ -4,14 +4,17 @@
 //!
 //! The global is set once; initialising again with the same topology is a no-op that returns
 //! the same `Arc`, with a different one an error (the seed's text). `reset_global_state` starts
-//! over. All of it is thread-safe. The process-wide model-spec registry lives here too.
+//! over. All of it is thread-safe. The process-wide model-spec and operator registries live here
+//! too.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use once_cell::sync::Lazy;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::ops::{ImplId, OpRegistry, Registered, Resolved};
 use crate::pattern::PatternSet;
 use crate::spec::{ModelSpec, SpecRegistry};
 use crate::topology::{Mesh, Topology};
@@ -149,4 +152,22 @@ pub fn register_spec(spec: ModelSpec) -> Result<()> {
 /// The spec of `model_type` from the process-wide registry.
 pub fn spec(model_type: &str) -> Result<ModelSpec> {
     SPECS.read().get(model_type).cloned()
+}
+
+/// The process-wide operator registry (operators registered from C, C++ or Python).
+static OPS: Lazy<Mutex<OpRegistry>> = Lazy::new(|| Mutex::new(OpRegistry::new()));
+
+/// Registers an implementation in the process-wide operator registry (see `OpRegistry::register`).
+pub fn register_op(op_name: &str, device_type: &str) -> Result<Registered> {
+    OPS.lock().register(op_name, device_type)
+}
+
+/// Resolves an operator in the process-wide registry (see `OpRegistry::resolve`).
+pub fn resolve_op(op_name: &str, device_type: &str) -> Result<Resolved> {
+    OPS.lock().resolve(op_name, device_type)
+}
+
+/// A copy of the process-wide operator table: name → device type → implementation id.
+pub fn op_table() -> BTreeMap<String, BTreeMap<String, ImplId>> {
+    OPS.lock().table().clone()
 }

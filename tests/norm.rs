@@ -1260,3 +1260,118 @@ fn c_abi_bf16_clip_and_local_power_sum() {
     assert!(bf.iter().zip(&orig).all(|(b, o)| *b == f32_to_bf16(bf16_to_f32(*o) * coef)));
     assert_ne!(bf, orig);
 }
+
+/// The reduction plan through the C ABI (`fsdpturbo_norm_plan`): the example of
+/// `plans_batch_identical_sets_in_first_seen_order`, equal to `norm_plan`, with data fields
+/// ignored, short buffers and the errors.
+#[test]
+fn c_abi_norm_plan_is_the_cores_plan() {
+    use DimRole::*;
+    let (s, r) = (FSDPTURBO_DIM_SHARD, FSDPTURBO_DIM_REPLICATE);
+    let layouts: [(&[u32], &[i32]); 6] =
+        [(&[3], &[s]), (&[0, 1], &[s, s]), (&[], &[]), (&[1, 0], &[s, s]), (&[2, 3], &[r, s]), (&[1], &[r])];
+    let grads: Vec<fsdpturbo_grad_t> = layouts
+        .iter()
+        .map(|(dims, roles)| fsdpturbo_grad_t {
+            data: std::ptr::null(),
+            mut_data: std::ptr::null_mut(),
+            numel: 7, // ignored: no data is read
+            dtype: -5,
+            dims: dims.as_ptr(),
+            roles: roles.as_ptr(),
+            n_dims: dims.len(),
+        })
+        .collect();
+    let core = norm_plan(&[
+        GradLayout::new(&[(3, Shard)]),
+        GradLayout::new(&[(0, Shard), (1, Shard)]),
+        GradLayout::plain(),
+        GradLayout::new(&[(1, Shard), (0, Shard)]),
+        GradLayout::new(&[(2, Replicate), (3, Shard)]),
+        GradLayout::new(&[(1, Replicate)]),
+    ])
+    .unwrap();
+
+    let (mut grad_set, mut ends, mut dims) = ([usize::MAX; 6], [0usize; 6], [0u32; 8]);
+    let (mut n_sets, mut n_dims) = (0usize, 0usize);
+    let status = fsdpturbo_norm_plan(
+        grads.as_ptr(),
+        grads.len(),
+        grad_set.as_mut_ptr(),
+        ends.as_mut_ptr(),
+        ends.len(),
+        &mut n_sets,
+        dims.as_mut_ptr(),
+        dims.len(),
+        &mut n_dims,
+    );
+    assert_eq!(status, FSDPTURBO_OK, "{}", last_error());
+    assert_eq!(grad_set.to_vec(), core.grad_set);
+    let mut start = 0;
+    let sets: Vec<Vec<u32>> = ends[..n_sets]
+        .iter()
+        .map(|&end| {
+            let set = dims[start..end].to_vec();
+            start = end;
+            set
+        })
+        .collect();
+    assert_eq!(sets, core.sets);
+    assert_eq!((n_sets, n_dims), (3, 3));
+
+    // Too short: the lengths are reported and nothing else is written.
+    let mut few = [usize::MAX; 2];
+    let mut grad_set = [usize::MAX; 6];
+    let status = fsdpturbo_norm_plan(
+        grads.as_ptr(),
+        grads.len(),
+        grad_set.as_mut_ptr(),
+        few.as_mut_ptr(),
+        few.len(),
+        &mut n_sets,
+        dims.as_mut_ptr(),
+        dims.len(),
+        &mut n_dims,
+    );
+    assert_eq!(status, FSDPTURBO_ERR_BUFFER_TOO_SMALL);
+    assert_eq!((n_sets, n_dims, few, grad_set), (3, 3, [usize::MAX; 2], [usize::MAX; 6]));
+
+    // An empty list is an empty plan; NULL buffers are fine then.
+    let status = fsdpturbo_norm_plan(
+        std::ptr::null(),
+        0,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        0,
+        &mut n_sets,
+        std::ptr::null_mut(),
+        0,
+        &mut n_dims,
+    );
+    assert_eq!((status, n_sets, n_dims), (FSDPTURBO_OK, 0, 0));
+
+    // Partial, a repeated dim and an unknown role are errors naming the gradient.
+    for (bad_dims, bad_roles, needle) in [
+        ([4u32, 5], [s, FSDPTURBO_DIM_PARTIAL], "gradient 1: the gradient is Partial on mesh dim 5"),
+        ([4, 4], [s, r], "gradient 1: mesh dim 4 appears twice"),
+        ([4, 5], [s, 7], "`grads[1].roles[1]` is 7"),
+    ] {
+        let bad = [
+            fsdpturbo_grad_t { ..grads[0] },
+            fsdpturbo_grad_t { dims: bad_dims.as_ptr(), roles: bad_roles.as_ptr(), n_dims: 2, ..grads[0] },
+        ];
+        let status = fsdpturbo_norm_plan(
+            bad.as_ptr(),
+            2,
+            grad_set.as_mut_ptr(),
+            ends.as_mut_ptr(),
+            ends.len(),
+            &mut n_sets,
+            dims.as_mut_ptr(),
+            8,
+            &mut n_dims,
+        );
+        assert_eq!(status, FSDPTURBO_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains(needle), "{}", last_error());
+    }
+}

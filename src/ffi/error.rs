@@ -81,6 +81,7 @@ pub extern "C" fn fsdpturbo_status_name(status: i32) -> *const c_char {
         status::FSDPTURBO_ERR_UNAVAILABLE => b"FSDPTURBO_ERR_UNAVAILABLE\0",
         status::FSDPTURBO_ERR_STRUCT_SIZE => b"FSDPTURBO_ERR_STRUCT_SIZE\0",
         status::FSDPTURBO_ERR_UTF8 => b"FSDPTURBO_ERR_UTF8\0",
+        status::FSDPTURBO_ERR_NOT_FOUND => b"FSDPTURBO_ERR_NOT_FOUND\0",
         status::FSDPTURBO_ERR_PANIC => b"FSDPTURBO_ERR_PANIC\0",
         _ => b"FSDPTURBO_UNKNOWN_STATUS\0",
     };

@@ -14,6 +14,7 @@ pub mod version;
 
 pub mod config;
 pub mod norm;
+pub mod ops;
 pub mod pattern;
 pub mod placement;
 pub mod plan;

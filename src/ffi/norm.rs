@@ -6,9 +6,11 @@ use std::ffi::c_void;
 
 use super::dtype::Dtype;
 use super::error::FfiError;
-use super::handle::{arg_ref, arg_slice, check_struct_size, write_out};
+use super::handle::{arg_mut, arg_ref, arg_slice, check_struct_size, write_out, write_slice};
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
+use super::status::{
+    FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
+};
 use crate::norm::{
     self, ClipOptions, DimRole, GradLayout, HostBuf, HostBufMut, NormType, clip_grad_norm_with, norm_plan,
 };
@@ -200,6 +202,67 @@ fn layout_of(grad: &fsdpturbo_grad_t, i: usize) -> Result<GradLayout, FfiError> 
         layout.push((dim, role));
     }
     Ok(GradLayout { dims: layout })
+}
+
+/// The reduction plan of a gradient list without computing anything (DESIGN.md section 4.2):
+/// which mesh dims each gradient's local p-power sum must be reduced over, grouped into
+/// distinct sets in first-seen order, so a caller that does its own collectives (the Python
+/// package) issues one reduction per set, the same on every rank. Only `dims`, `roles` and
+/// `n_dims` of each gradient are read (give the placements of the *parameter*, shared by all
+/// ranks); the data fields are ignored.
+///
+/// Outputs: `grad_set[i]` (an array of `n_grads` entries) receives the set of gradient i. The
+/// sets go to `set_dims`, concatenated, each sorted ascending, with `set_ends[s]` the end of set
+/// s in `set_dims` (its start is `set_ends[s - 1]`, or 0); the empty set (plain and fully
+/// replicated gradients) needs no collective. `*out_n_sets` and `*out_n_set_dims` always
+/// receive the lengths; `n_grads` and the total of `n_dims` are upper bounds, and a short
+/// buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with nothing written but the lengths. A Partial
+/// role, or a mesh-dim id twice in one gradient, is FSDPTURBO_ERR_INVALID_ARGUMENT naming it.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn fsdpturbo_norm_plan(
+    grads: *const fsdpturbo_grad_t,
+    n_grads: usize,
+    grad_set: *mut usize,
+    set_ends: *mut usize,
+    set_ends_cap: usize,
+    out_n_sets: *mut usize,
+    set_dims: *mut u32,
+    set_dims_cap: usize,
+    out_n_set_dims: *mut usize,
+) -> i32 {
+    boundary(|| {
+        let grads = arg_slice(grads, n_grads, "grads")?;
+        let layouts =
+            grads.iter().enumerate().map(|(i, grad)| layout_of(grad, i)).collect::<Result<Vec<_>, _>>()?;
+        let plan = norm_plan(&layouts)?;
+        let mut ends = Vec::with_capacity(plan.sets.len());
+        let mut dims = Vec::new();
+        for set in &plan.sets {
+            dims.extend_from_slice(set);
+            ends.push(dims.len());
+        }
+        write_out(out_n_sets, "out_n_sets", ends.len())?;
+        write_out(out_n_set_dims, "out_n_set_dims", dims.len())?;
+        if set_ends_cap < ends.len() || set_dims_cap < dims.len() {
+            return Err(FfiError::new(
+                FSDPTURBO_ERR_BUFFER_TOO_SMALL,
+                format!(
+                    "the plan has {} sets with {} dims in all, but `set_ends` holds {set_ends_cap} and \
+                     `set_dims` {set_dims_cap} (n_grads and the total of n_dims are always enough)",
+                    ends.len(),
+                    dims.len()
+                ),
+            ));
+        }
+        if n_grads > 0 {
+            arg_mut(grad_set, "grad_set")?;
+            // SAFETY: non-NULL, and the caller guarantees `n_grads` writable entries.
+            unsafe { std::slice::from_raw_parts_mut(grad_set, n_grads) }.copy_from_slice(&plan.grad_set);
+        }
+        write_slice(set_ends, set_ends_cap, out_n_sets, &ends, "set_ends")?;
+        write_slice(set_dims, set_dims_cap, out_n_set_dims, &dims, "set_dims")
+    })
 }
 
 /// Calls the embedder's callback (non-NULL whenever a set needs a collective: checked before).

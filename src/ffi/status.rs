@@ -24,6 +24,8 @@ pub const FSDPTURBO_ERR_UNAVAILABLE: i32 = 8;
 pub const FSDPTURBO_ERR_STRUCT_SIZE: i32 = 9;
 /// A string argument is not valid UTF-8.
 pub const FSDPTURBO_ERR_UTF8: i32 = 10;
+/// A registry has no entry for the name asked for (e.g. an operator that is not registered).
+pub const FSDPTURBO_ERR_NOT_FOUND: i32 = 11;
 /// The library panicked; the message is in fsdpturbo_last_error(). A bug: please report it.
 pub const FSDPTURBO_ERR_PANIC: i32 = 99;
 
@@ -36,5 +38,6 @@ pub(crate) fn status_of(kind: ErrorKind) -> i32 {
         ErrorKind::State => FSDPTURBO_ERR_STATE,
         ErrorKind::BufferTooSmall => FSDPTURBO_ERR_BUFFER_TOO_SMALL,
         ErrorKind::Unavailable => FSDPTURBO_ERR_UNAVAILABLE,
+        ErrorKind::NotFound => FSDPTURBO_ERR_NOT_FOUND,
     }
 }

@@ -431,6 +431,32 @@ static void test_misuse(void) {
   CHECK(log.calls == 1 && g[0] == 3.0f && g[1] == 4.0f);
 }
 
+/* The reduction plan alone, for embedders that run their own collectives: ids are the
+ * caller's (0 = dp, 1 = ep, 2 = efsdp here). */
+static void test_norm_plan(void) {
+  const uint32_t ep[1] = {1};
+  const int32_t shard[2] = {FSDPTURBO_DIM_SHARD, FSDPTURBO_DIM_SHARD};
+  const uint32_t efsdp_ep[2] = {2, 1};
+  const uint32_t dp[1] = {0};
+  const int32_t replicate[1] = {FSDPTURBO_DIM_REPLICATE};
+  fsdpturbo_grad_t grads[4];
+  grads[0] = grad_of(NULL, 0, FSDPTURBO_DTYPE_F32, efsdp_ep, shard, 2);
+  grads[1] = grad_of(NULL, 0, FSDPTURBO_DTYPE_F32, NULL, NULL, 0);
+  grads[2] = grad_of(NULL, 0, FSDPTURBO_DTYPE_F32, ep, shard, 1);
+  grads[3] = grad_of(NULL, 0, FSDPTURBO_DTYPE_F32, dp, replicate, 1);
+  size_t grad_set[4], ends[4], n_sets = 0, n_dims = 0;
+  uint32_t dims[5];
+  CHECK_STATUS(fsdpturbo_norm_plan(grads, 4, grad_set, ends, 4, &n_sets, dims, 5, &n_dims), FSDPTURBO_OK);
+  CHECK(n_sets == 3 && n_dims == 3);
+  CHECK(ends[0] == 2 && dims[0] == 1 && dims[1] == 2); /* sorted ids */
+  CHECK(ends[1] == 2);                                 /* the empty set */
+  CHECK(ends[2] == 3 && dims[2] == 1);
+  CHECK(grad_set[0] == 0 && grad_set[1] == 1 && grad_set[2] == 2 && grad_set[3] == 1);
+  CHECK_STATUS(fsdpturbo_norm_plan(grads, 4, grad_set, ends, 2, &n_sets, dims, 5, &n_dims),
+               FSDPTURBO_ERR_BUFFER_TOO_SMALL);
+  CHECK(n_sets == 3);
+}
+
 int main(void) {
   test_local_power_sum();
   test_clip_two_ranks();
@@ -438,5 +464,6 @@ int main(void) {
   test_scale_in_place();
   test_options_init();
   test_misuse();
+  test_norm_plan();
   return check_summary("test_norm");
 }

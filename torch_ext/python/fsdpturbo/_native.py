@@ -41,7 +41,7 @@ from . import moe_ops  # noqa: E402,F401  (autograd and fakes of the MoE ops, on
 OK = 0
 _STATUS = {1: "NULL_ARGUMENT", 2: "INVALID_ARGUMENT", 3: "CONFIG", 4: "TOPOLOGY", 5: "PLAN",
            6: "STATE", 7: "BUFFER_TOO_SMALL", 8: "UNAVAILABLE", 9: "STRUCT_SIZE", 10: "UTF8",
-           99: "PANIC"}
+           11: "NOT_FOUND", 99: "PANIC"}
 
 
 class FsdpturboError(RuntimeError):
@@ -54,6 +54,12 @@ class FsdpturboError(RuntimeError):
 
 class FsdpturboValueError(FsdpturboError, ValueError):
     """Bad input (configuration, topology sizes, arguments): also a ValueError, like the seed's."""
+
+
+class FsdpturboKeyError(FsdpturboError, KeyError):
+    """A registry has no entry for the name asked for: also a KeyError, like the seed's."""
+
+    __str__ = RuntimeError.__str__
 
 
 def last_error():
@@ -70,6 +76,7 @@ def check(status):
     name = _STATUS.get(status, str(status))
     cls = FsdpturboValueError if name in ("NULL_ARGUMENT", "INVALID_ARGUMENT", "CONFIG", "TOPOLOGY",
                                          "UTF8", "STRUCT_SIZE") else FsdpturboError
+    cls = FsdpturboKeyError if name == "NOT_FOUND" else cls
     raise cls(last_error(), name)
 
 
@@ -140,6 +147,13 @@ for _name, (_restype, _argtypes) in {
     "fsdpturbo_pattern_compile": (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_void_p)]),
     "fsdpturbo_pattern_match": (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_bool)]),
     "fsdpturbo_pattern_free": (None, [_c.c_void_p]),
+    "fsdpturbo_op_register": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64),
+                                           _c.POINTER(_c.c_uint64)]),
+    "fsdpturbo_op_resolve": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64),
+                                          _c.POINTER(_c.c_int32)]),
+    "fsdpturbo_op_fallback_warning": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_char_p, _c.c_size_t,
+                                                   _c.POINTER(_c.c_size_t)]),
+    "fsdpturbo_op_table_json": (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
 }.items():
     _fn = getattr(lib, _name)
     _fn.restype = _restype

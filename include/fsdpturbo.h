@@ -65,6 +65,9 @@
 // A string argument is not valid UTF-8.
 #define FSDPTURBO_ERR_UTF8 10
 
+// A registry has no entry for the name asked for (e.g. an operator that is not registered).
+#define FSDPTURBO_ERR_NOT_FOUND 11
+
 // The library panicked; the message is in fsdpturbo_last_error(). A bug: please report it.
 #define FSDPTURBO_ERR_PANIC 99
 
@@ -97,6 +100,17 @@
 
 // Placement of a gradient on one dim of its mesh: Partial (rejected: reduce it first).
 #define FSDPTURBO_DIM_PARTIAL 2
+
+// How fsdpturbo_op_resolve found the implementation: the device's own.
+#define FSDPTURBO_OP_EXACT 0
+
+// How fsdpturbo_op_resolve found the implementation: the `cpu` one stands in, and this
+// (operator, device) pair has fallen back before.
+#define FSDPTURBO_OP_CPU_FALLBACK 1
+
+// How fsdpturbo_op_resolve found the implementation: the `cpu` one stands in, for the first
+// time for this (operator, device) pair: show the text of fsdpturbo_op_fallback_warning once.
+#define FSDPTURBO_OP_CPU_FALLBACK_WARN 2
 
 // Placement kind (fsdpturbo_placement_t.kind): torch `Shard(dim)`.
 #define FSDPTURBO_PLACEMENT_SHARD 0
@@ -151,20 +165,6 @@ typedef struct fsdpturbo_plan_t fsdpturbo_plan_t;
 // with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
 
-// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
-typedef struct {
-  size_t struct_size;
-  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
-  double max_norm;
-  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
-  double norm_type;
-  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
-  // when the total norm is nan or inf, instead of returning it. Default false.
-  bool error_if_nonfinite;
-  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
-  bool accumulate_f64;
-} fsdpturbo_clip_options_t;
-
 // One gradient of the parameter list shared by all ranks, with its local elements on this
 // rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
 // the entry must still be passed so that every rank issues the same collectives).
@@ -184,6 +184,20 @@ typedef struct {
   const int32_t *roles;
   size_t n_dims;
 } fsdpturbo_grad_t;
+
+// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
+typedef struct {
+  size_t struct_size;
+  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
+  double max_norm;
+  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
+  double norm_type;
+  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
+  // when the total norm is nan or inf, instead of returning it. Default false.
+  bool error_if_nonfinite;
+  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
+  bool accumulate_f64;
+} fsdpturbo_clip_options_t;
 
 // The embedder's collective: reduce `*value` with `op` (FSDPTURBO_REDUCE_SUM or
 // FSDPTURBO_REDUCE_MAX) over the process group spanned by the `n_dims` mesh-dim ids `dims`
@@ -313,6 +327,30 @@ int32_t fsdpturbo_config_efsdp_size(const fsdpturbo_config_t *config, uint64_t *
 // dist_config).
 int32_t fsdpturbo_config_dispatcher(const fsdpturbo_config_t *config, int32_t *out);
 
+// The reduction plan of a gradient list without computing anything (DESIGN.md section 4.2):
+// which mesh dims each gradient's local p-power sum must be reduced over, grouped into
+// distinct sets in first-seen order, so a caller that does its own collectives (the Python
+// package) issues one reduction per set, the same on every rank. Only `dims`, `roles` and
+// `n_dims` of each gradient are read (give the placements of the *parameter*, shared by all
+// ranks); the data fields are ignored.
+//
+// Outputs: `grad_set[i]` (an array of `n_grads` entries) receives the set of gradient i. The
+// sets go to `set_dims`, concatenated, each sorted ascending, with `set_ends[s]` the end of set
+// s in `set_dims` (its start is `set_ends[s - 1]`, or 0); the empty set (plain and fully
+// replicated gradients) needs no collective. `*out_n_sets` and `*out_n_set_dims` always
+// receive the lengths; `n_grads` and the total of `n_dims` are upper bounds, and a short
+// buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with nothing written but the lengths. A Partial
+// role, or a mesh-dim id twice in one gradient, is FSDPTURBO_ERR_INVALID_ARGUMENT naming it.
+int32_t fsdpturbo_norm_plan(const fsdpturbo_grad_t *grads,
+                            size_t n_grads,
+                            size_t *grad_set,
+                            size_t *set_ends,
+                            size_t set_ends_cap,
+                            size_t *out_n_sets,
+                            uint32_t *set_dims,
+                            size_t set_dims_cap,
+                            size_t *out_n_set_dims);
+
 // Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
 // in place (DESIGN.md section 4.2): each gradient's local p-power sum is reduced over the mesh dims on
 // which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
@@ -348,6 +386,41 @@ int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
                                   double norm_type,
                                   bool accumulate_f64,
                                   double *out_value);
+
+// Registers a new implementation of `op_name` for `device_type` ("cpu", "cuda", "npu", …: a
+// torch device type, without an index) in the process-wide registry. `*out_impl` receives its
+// id (never 0); `*out_replaced` the id of the implementation it replaced for the same pair (as
+// the seed does, silently), or 0. Operator names are `[A-Za-z_][A-Za-z0-9_.]*`, device types
+// `[a-z][a-z0-9_]*`; others give FSDPTURBO_ERR_INVALID_ARGUMENT and register nothing.
+int32_t fsdpturbo_op_register(const char *op_name,
+                              const char *device_type,
+                              uint64_t *out_impl,
+                              uint64_t *out_replaced);
+
+// Resolves `op_name` for `device_type` with the seed's rules: the device's own
+// implementation (`*out_how` = FSDPTURBO_OP_EXACT), else the "cpu" one
+// (FSDPTURBO_OP_CPU_FALLBACK_WARN the first time for this pair, then
+// FSDPTURBO_OP_CPU_FALLBACK); `*out_impl` receives the implementation id. An operator that is
+// not registered, or has neither the device nor "cpu", gives FSDPTURBO_ERR_NOT_FOUND with the
+// seed's message ("Operator 'x' is not registered…", "Operator 'x' not available for device
+// 'y' and no CPU fallback exists…"); malformed names FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_op_resolve(const char *op_name,
+                             const char *device_type,
+                             uint64_t *out_impl,
+                             int32_t *out_how);
+
+// The seed's fallback warning for (`op_name`, `device_type`), "Operator 'x' not available for
+// device 'y', falling back to CPU implementation", copied into `buf` with its NUL; `*out_len`
+// receives the bytes needed. Names are validated as for fsdpturbo_op_register.
+int32_t fsdpturbo_op_fallback_warning(const char *op_name,
+                                      const char *device_type,
+                                      char *buf,
+                                      size_t cap,
+                                      size_t *out_len);
+
+// The process-wide registry as JSON, `{"op": {"device": impl_id, …}, …}` (sorted by name),
+// copied into `buf` with its NUL; `*out_len` receives the bytes needed.
+int32_t fsdpturbo_op_table_json(char *buf, size_t cap, size_t *out_len);
 
 // Compiles a module-name pattern such as "model.layers.{*}.mlp.experts".
 //

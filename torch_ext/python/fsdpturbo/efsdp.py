@@ -17,9 +17,10 @@ that holds a replica or a shard of the parameter, divided by one factor F:
   (`EPPlanConfig.gradient_divide_factor`; LlamaFactory's Ulysses-CP loss is the whole
   sequence's on every cp rank, so it uses dp).
 
-On backends without `PREMUL_SUM` (gloo, HCCL) a factor other than the group size makes FSDP2
-reduce with SUM and divide afterwards (`set_force_sum_reduction_for_comms`) instead of
-patching torch.distributed as the seed does.
+Only NCCL has `PREMUL_SUM`; elsewhere (gloo, HCCL) a factor other than the group size makes
+FSDP2 reduce with SUM and divide afterwards (`set_force_sum_reduction_for_comms`), instead of
+the seed's patch of torch.distributed. (Not on a group of size 1: there torch 2.15 would divide
+twice.)
 """
 import dataclasses
 import functools
@@ -109,8 +110,9 @@ def configure_gradient_reduction(fsdp_module, mesh, factor, replica_groups=()):
     factor = float(factor)
     fsdp_module.set_gradient_divide_factor(factor)
     size = mesh.size()
-    if size > 1 and factor != size and dist.get_backend(mesh.get_group()) != "nccl":
-        fsdp_module.set_force_sum_reduction_for_comms(True)  # no PREMUL_SUM outside NCCL
+    premul_sum = mesh.device_type == "cuda" and "nccl" in str(dist.get_backend(mesh.get_group()))
+    if size > 1 and factor != size and not premul_sum:
+        fsdp_module.set_force_sum_reduction_for_comms(True)
     groups = tuple(g for g in replica_groups if dist.get_world_size(g) > 1)
     if groups:
         fsdp_module.set_all_reduce_hook(functools.partial(_all_reduce_sum, groups=groups))

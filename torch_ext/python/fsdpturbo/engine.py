@@ -4,6 +4,7 @@ core), EP, EFSDP, the outer FSDP2 per decoder layer and at the root over dp (exp
 ignored there), materialisation from meta, the Hugging Face weights through `copy_weights_`,
 and the grad-norm warm-up. Gradients follow DESIGN §4.1 (see `fsdpturbo.efsdp`).
 """
+import functools
 import logging
 
 import torch
@@ -76,8 +77,6 @@ def reduce_replicated_gradients(params, factor):
     """For parameters kept whole on every rank outside any FSDP2 unit (`fsdp_ignored_modules`):
     each backward's incoming gradient is summed over all ranks and divided by `factor` before
     it is accumulated (correct under gradient accumulation)."""
-    import functools
-
     for p in params:
         if p.requires_grad:
             p.register_hook(functools.partial(_reduce_hook, factor=float(factor)))

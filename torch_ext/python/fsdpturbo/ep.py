@@ -244,6 +244,12 @@ def _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
     return hidden, top_k_index, top_k_weights
 
 
+def _shaped_like(out, hidden_states):
+    """`out` in the shape of `hidden_states`; not a view when the shapes already agree (FSDP2
+    warns about a wrapped module returning a view: in-place ops on it would skip its hooks)."""
+    return out if out.shape == hidden_states.shape else out.view(hidden_states.shape)
+
+
 def _eager_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The eager dispatcher: torch reference ops, all-to-all through c10d with autograd."""
     hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
@@ -256,7 +262,7 @@ def _eager_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_grou
     received = _dispatch(hidden, route, top_k, ep_group)
     y = _compute(module, received, route)
     out = _combine(y, route, weights, tokens, top_k, ep_group)
-    return out.view(hidden_states.shape)
+    return _shaped_like(out, hidden_states)
 
 
 def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
@@ -277,7 +283,7 @@ def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gro
     for i, (a, b) in enumerate(slices):
         y = _compute(module, received[i], routes[i])
         outputs.append(_combine(y, routes[i], weights[a:b], b - a, top_k, ep_group))
-    return torch.cat(outputs).view(hidden_states.shape)
+    return _shaped_like(torch.cat(outputs), hidden_states)
 
 
 def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
@@ -319,4 +325,4 @@ def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_grou
     y = ops.moe_unpermute(out, local_order, None, out.size(0), 1)
     back = _all_to_all(y, input_splits, output_splits, ep_group)
     result = ops.moe_unpermute(back.contiguous(), routed["permutation"], weights, tokens, top_k)
-    return result.view(hidden_states.shape)
+    return _shaped_like(result, hidden_states)

@@ -52,8 +52,9 @@ def batch(step, world):
     return torch.randint(0, 64, (world, SEQ), generator=g)
 
 
-def train_config(ep, efsdp=None, cp=1, bf16=False, ignored=()):
-    dist_config = {"name": "fsdpturbo", "ep_size": ep, "fsdp_ignored_modules": list(ignored)}
+def train_config(ep, efsdp=None, cp=1, bf16=False, ignored=(), dispatcher="eager"):
+    dist_config = {"name": "fsdpturbo", "ep_size": ep, "ep_dispatcher": dispatcher,
+                   "fsdp_ignored_modules": list(ignored)}
     if efsdp is not None:
         dist_config["efsdp_size"] = efsdp
     return {"bf16": bf16, "cp_size": cp, "dist_config": dist_config}
@@ -84,12 +85,14 @@ def _train_rank_fn(rank, world, family, layouts):
     from fsdpturbo import clip_grad_norm_
     from fsdpturbo.engine import shard_model
 
-    for ep, efsdp, cp, ignored in layouts:
-        where = f"{family} ep={ep} efsdp={efsdp} cp={cp} ignored={ignored}"
+    for layout in layouts:
+        where = f"{family} {layout}"
+        ep, efsdp, cp, ignored = layout["ep"], layout.get("efsdp"), layout.get("cp", 1), layout.get("ignored", ())
         state = _layout_state(world, ep, efsdp, cp)
         assert state.world_size == world
         reference = build_model(family)
-        model = shard_model(build_model(family), train_config(ep, efsdp, cp, ignored=ignored), state=state)
+        config = train_config(ep, efsdp, cp, ignored=ignored, dispatcher=layout.get("dispatcher", "eager"))
+        model = shard_model(build_model(family), config, state=state)
         from torch.distributed.tensor import DTensor
 
         assert isinstance(model.model.embed_tokens.weight, DTensor) != bool(ignored)  # kept whole when ignored
@@ -118,16 +121,18 @@ def _train_rank_fn(rank, world, family, layouts):
             assert_rel_close(full(param), ref_params[name].detach(), f"{where} parameter {name} after {STEPS} steps")
 
 
-# (ep, efsdp, cp, fsdp_ignored_modules) on 4 ranks: efsdp None = the seed's dp/ep.
-LAYOUTS = [(2, None, 1, ()), (4, None, 1, ()), (2, 1, 1, ()), (2, None, 2, ())]
+# On 4 ranks; efsdp None = the seed's dp/ep (2 with ep 2, 1 with ep 4).
+LAYOUTS = [dict(ep=2), dict(ep=4), dict(ep=2, efsdp=1), dict(ep=2, cp=2)]
+EXTRA = {"qwen3_moe": [dict(ep=2, ignored=("model.embed_tokens", "model.norm")), dict(ep=2, dispatcher="fused")],
+         "qwen3_5_moe": [dict(ep=4, dispatcher="domino")]}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_three_adamw_steps_equal_single_process(family):
-    """(ep 2, efsdp 2), (ep 4, efsdp 1), (ep 2, efsdp 1, edp 2) and (cp 2, ep 2) on 4 ranks; for
-    Qwen3-MoE also parameters kept whole outside FSDP2 (fsdp_ignored_modules)."""
-    layouts = LAYOUTS + ([(2, None, 1, ("model.embed_tokens", "model.norm"))] if family == "qwen3_moe" else [])
-    run_ranks(_train_rank_fn, 4, family, layouts, timeout=400)
+    """(ep 2, efsdp 2), (ep 4, efsdp 1), (ep 2, efsdp 1, edp 2) and (cp 2, ep 2) on 4 ranks; also
+    parameters kept whole outside FSDP2 (fsdp_ignored_modules) and the fused and domino
+    dispatchers."""
+    run_ranks(_train_rank_fn, 4, family, LAYOUTS + EXTRA[family], timeout=400)
 
 
 def _bf16_rank_fn(rank, world):

@@ -106,10 +106,10 @@ def expert_parallelize_modules(model, ep_mesh, plan):
         module.num_global_experts = num_experts
         module.num_local_experts = local
         module.local_expert_indices = [ep_rank * local + i for i in range(local)]
-        # Also set when there is one local expert (the seed leaves it unset and crashes).
-        device = next(module.parameters()).device
-        module.expert_ids_per_ep_rank = torch.tensor([i % local for i in range(num_experts)], dtype=torch.int32,
-                                                     device=device if device.type != "meta" else "cpu")
+        # Also set when there is one local expert (the seed leaves it unset and crashes). A
+        # list, not a tensor: nothing made at EP time may need materialising (meta init); the
+        # forward builds its tensor on the tokens' device.
+        module.expert_ids_per_ep_rank = [i % local for i in range(num_experts)]
         distribute_expert_weights(module, ep_mesh)
         module.forward = types.MethodType(forward, module)
     return model
@@ -169,7 +169,7 @@ def _route(flat, counts, module, ep_rank, ep_size):
     input_splits = own.view(ep_size, local).sum(1).tolist()                     # synchronous host copy
     output_splits = mine.sum(1).tolist()
     tokens_per_local_expert = mine.sum(0).tolist()
-    ids = module.expert_ids_per_ep_rank.to(device=flat.device, dtype=torch.int64)
+    ids = torch.arange(module.num_global_experts, device=flat.device) % local  # expert_ids_per_ep_rank
     local_expert_of_row = torch.repeat_interleave(ids, mine.reshape(-1))
     return _Route(sorted_index=torch.argsort(flat, stable=True), input_splits=input_splits,
                   output_splits=output_splits, tokens_per_local_expert=tokens_per_local_expert,

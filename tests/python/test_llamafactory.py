@@ -217,9 +217,13 @@ def _engine_rank_fn(rank, world, ep, init):
             model = build_model("qwen3_moe")
     else:
         model = build_model("qwen3_moe")
-    engine = FSDPTurboFSDP2Engine({"ep_size": ep, "ep_dispatcher": "eager"}, bf16=False,
-                                  dist_interface=interface, weights=weights)
+    ignored = ["model.norm"] if init == "default" else []
+    engine = FSDPTurboFSDP2Engine({"ep_size": ep, "ep_dispatcher": "eager", "fsdp_ignored_modules": ignored},
+                                  bf16=False, dist_interface=interface, weights=weights)
     model = engine.shard_model(model)
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(model.model.norm.weight, DTensor) != bool(ignored)
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     assert experts.device_mesh.mesh_dim_names == ("efsdp", "ep")
     ids = batch(0, world)

@@ -51,9 +51,13 @@ def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_afte
     """The outer FSDP2 over `dp_mesh`: each decoder layer, then the root; parameters in
     `ignored_params` (and those already in EFSDP units) stay out. Mixed precision: the
     parameters' dtype for compute, float32 for the reduction. Gradients: SUM over dp and over
-    the other dims of dp's root mesh (cp), divided by `factor`. Returns `model`."""
+    the other dims of dp's root mesh (cp), divided by `factor`; ignored parameters that are
+    plain tensors (kept whole, in no FSDP2 unit) get `reduce_replicated_gradients`. Returns
+    `model`."""
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
+    ignored_params = list(ignored_params)
     ignored = {id(p) for p in ignored_params}
     replicas = replica_groups(dp_mesh)
     offload_policy = offload_policy or OffloadPolicy()
@@ -64,6 +68,7 @@ def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_afte
                     mp_policy=_mp_policy([p for p in params if p not in skipped], FSDPPlanConfig()),
                     offload_policy=offload_policy, ignored_params=skipped or None)
         configure_gradient_reduction(module, dp_mesh, factor, replicas)
+    reduce_replicated_gradients([p for p in ignored_params if not isinstance(p, DTensor)], factor)
     return model
 
 
@@ -167,7 +172,6 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     fully_shard_outer(model, state.sub_mesh("dp"), factor,
                       ignored_params=[params[n] for n in plan["ignored_params"]],
                       reshard_after_forward=dist_cfg.get("reshard_after_forward", True))
-    reduce_replicated_gradients([params[p["name"]] for p in plan["params"] if p["role"] == "ignored"], factor)
     materialize(model, device, weights)
     warmup_grad_norm(model)
     return model

@@ -33,17 +33,21 @@ class FSDP2Engine:
     grad norm. Gradients: summed over dp and cp, divided by dp (LlamaFactory scales each rank's
     loss by dp / global tokens)."""
 
-    fsdp_mesh = weights = device = None
+    fsdp_mesh = weights = device = dist_interface = None
 
-    def __init__(self, dist_config, *, dp_mesh=None, weights=None, device=None):
+    def __init__(self, dist_config, *, dist_interface=None, dp_mesh=None, weights=None, device=None):
         self.dist_config = dict(dist_config or {})
+        self.dist_interface = dist_interface
         self.fsdp_mesh = dp_mesh
         self.weights = weights
         self.device = device
 
     def _mesh(self):
+        if self.fsdp_mesh is None and self.dist_interface is not None:
+            self.fsdp_mesh = self.dist_interface.get_device_mesh(_state.DP)
         if self.fsdp_mesh is None:
-            raise RuntimeError("FSDPTurbo FSDP2: no dp mesh; construct the engine with dp_mesh=<the 'dp' DeviceMesh>")
+            raise RuntimeError("FSDPTurbo FSDP2: no dp mesh; construct the engine with dp_mesh=<the 'dp' DeviceMesh> "
+                               "or a dist_interface that has one")
         return self.fsdp_mesh
 
     def _device(self):
@@ -85,22 +89,17 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
     state (`get_fsdpturbo_parallel_state()`) must be initialised before `shard_model`, or is
     initialised then from `dist_interface`. Making one touches no mesh."""
 
-    dist_interface = None
     ep_fsdp_size = None  # None: the parallel state's efsdp size, read when sharding
 
     def __init__(self, dist_config, bf16=False, *, dist_interface=None, dp_mesh=None, weights=None, device=None):
-        super().__init__(dist_config, dp_mesh=dp_mesh, weights=weights, device=device)
+        super().__init__(dist_config, dist_interface=dist_interface, dp_mesh=dp_mesh, weights=weights, device=device)
         self.mixed_precision = "bf16" if bf16 else "fp32"
-        self.dist_interface = dist_interface
         self.ep_size = int(self.dist_config.get("ep_size", 1))
 
     def _parallel_state(self):
         state = _state.get_fsdpturbo_parallel_state()
-        if self.dist_interface is not None:
-            if not state.initialized:
-                state.initialize(self.dist_interface, self.dist_config)
-            if self.fsdp_mesh is None:
-                self.fsdp_mesh = self.dist_interface.get_device_mesh(_state.DP)
+        if self.dist_interface is not None and not state.initialized:
+            state.initialize(self.dist_interface, self.dist_config)
         return state
 
     def prepare_model_ep(self, model):

@@ -129,16 +129,19 @@ def _persistent_buffers(model):
                 yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
-def full_state_dict(model, device="cpu"):
+def full_state_dict(model, device="cpu", rank=None):
     """The full (unsharded) parameters and persistent buffers of `model` by name, on `device`,
     each DTensor gathered with `gather_full` (bitwise equal to `full_tensor()`). Collective:
-    every rank calls it and gets the whole dict."""
+    every rank calls it; every rank gets the whole dict, or with `rank` only that rank (the
+    others get {} and hold one tensor at a time)."""
     from torch.distributed.tensor import DTensor
 
+    keep = rank is None or not dist.is_initialized() or dist.get_rank() == rank
     out = {}
     for name, tensor in list(model.named_parameters()) + list(_persistent_buffers(model)):
         full = gather_full(tensor) if isinstance(tensor, DTensor) else tensor.detach().clone()
-        out[name] = full.to(device)
+        if keep:
+            out[name] = full.to(device)
     return out
 
 
@@ -146,10 +149,9 @@ def save_hf_weights(model, path, rank=0):
     """Saves `model` (sharded or not) as a Hugging Face checkpoint directory at `path`: the full
     state dict is gathered on every rank (collective), then rank `rank` writes it with the
     model's own `save_pretrained(path, state_dict=...)` (its config and Hugging Face's on-disk
-    layout, e.g. per-expert weights). Every rank returns after the files exist."""
-    state = full_state_dict(model)
-    is_writer = not dist.is_initialized() or dist.get_rank() == rank
-    if is_writer:
+    layout, e.g. per-expert weights). Every rank returns `path` after the files exist."""
+    state = full_state_dict(model, rank=rank)
+    if not dist.is_initialized() or dist.get_rank() == rank:
         model.save_pretrained(os.fspath(path), state_dict=state)
     if dist.is_initialized():
         dist.barrier()

@@ -16,6 +16,7 @@ from .efsdp import FSDPPlanConfig, _mp_policy, configure_gradient_reduction, exp
 from .ep import EPPlanConfig, expert_parallelize_modules
 from .norm import warmup_grad_norm
 from .plan import resolve_plan
+from .spec import FSDPTurboEPModelSpec
 from .topology import ParallelState, get_parallel_state, initialize_parallel_state
 from .weights import load_hf_weights
 
@@ -128,7 +129,8 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     YAML text or dict, as `parse_train_config` takes) and returns it (same object, parameters
     replaced: build the optimizer afterwards):
 
-    1. parameters cast to bf16 when `bf16: true`, else float32 (the storage dtype);
+    1. parameters cast to bf16 when `bf16: true`, else float32 (the storage dtype), and the
+       model type's prepare function (`FSDPTurboEPModelSpec`) when it has one;
     2. the plan from the Rust core (expert modules, EFSDP units, ignored parameters, the
        gradient divide factor F = world size);
     3. with ep > 1: expert parallelism over the ep mesh, then EFSDP over the efsdp mesh (the
@@ -149,6 +151,8 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
     logger.info("Using %s for FSDPTurbo full tuning.", dtype)
     model.to(dtype)
+    spec = FSDPTurboEPModelSpec.get(model)
+    model = spec.prepare(model) if spec is not None else model
     device_type = torch.device(device).type if device is not None else \
         _DEVICE_OF_BACKEND.get(dist.get_backend(), "cpu")
     state = state or _state_for(train_config, device_type)

@@ -8,7 +8,7 @@ reduced (also with efsdp = 1) and over expert_cp, router and shared-expert gradi
 the divide factor is dp; the grad norm counts replicas once.
 """
 from .engine import FSDP2Engine, FSDPTurboFSDP2Engine
-from .spec import FSDPTurboEPModelSpec
+from ..spec import FSDPTurboEPModelSpec
 from .state import FSDPTurboParallelState, clip_grad_norm_, get_fsdpturbo_parallel_state
 
 __all__ = ["FSDP2Engine", "FSDPTurboEPModelSpec", "FSDPTurboFSDP2Engine", "FSDPTurboParallelState",

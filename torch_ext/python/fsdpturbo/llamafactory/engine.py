@@ -12,7 +12,7 @@ from ..placement import copy_weights_
 from ..pattern import Pattern
 from ..weights import save_hf_weights
 from . import state as _state
-from .spec import FSDPTurboEPModelSpec, get_ep_fsdp_modules
+from ..spec import FSDPTurboEPModelSpec, get_ep_fsdp_modules
 
 logger = logging.getLogger(__name__)
 

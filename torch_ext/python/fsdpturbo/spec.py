@@ -1,11 +1,11 @@
-"""`FSDPTurboEPModelSpec`: the model-type registry LlamaFactory's EP step reads. The patterns
-live in the Rust spec registry (which the plan reads too); this class adds the Python
-prepare functions."""
+"""`FSDPTurboEPModelSpec`: the model-type registry the engine and LlamaFactory's EP step read.
+The patterns live in the Rust spec registry (which the plan reads too); this class adds the
+Python prepare functions."""
 import dataclasses
 import logging
 from typing import Callable, ClassVar, Dict, List, Optional
 
-from ..plan import get_model_spec, register_model_spec
+from .plan import get_model_spec, register_model_spec
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,8 @@ def _weights_rank_fn(rank, world, family, tmp, layouts):
             _assert_bitwise(gathered, expected, f"{where} loaded")
             # LlamaFactory saves through FSDP2's full state dict: the same tensors.
             fsdp_full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            _assert_bitwise({n: t for n, t in fsdp_full.items() if n in expected}, expected, f"{where} FSDP2 full state dict")
+            _assert_bitwise({n: t for n, t in fsdp_full.items() if n in expected}, expected,
+                            f"{where} FSDP2 full state dict")
             target = os.path.join(tmp, f"saved_{ep}_{efsdp}_{init}")
             save_hf_weights(model, target)
             _assert_bitwise(_safetensors(target), _safetensors(source), f"{where} files")

@@ -137,7 +137,9 @@ def _expert_modules(unit):
             if any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
 
 
-def _mp_policy(params, plan):
+def mixed_precision_policy(params, plan):
+    """FSDP2 mixed precision for `params` under `plan`: compute in `plan.param_dtype`, else the
+    parameters' own dtype (never a hard-coded bf16); reduce in `plan.reduce_dtype`, else float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     floating = [p.dtype for p in params if p.is_floating_point()]
@@ -170,13 +172,13 @@ def _shard_unit(unit, efsdp_mesh, plan, factor):
     rest = [p for p in unit.parameters() if id(p) not in expert_params]
     for module in experts:
         params = list(module.parameters())
-        fully_shard(module, mesh=efsdp_mesh, shard_placement_fn=_shard_placement, mp_policy=_mp_policy(params, plan),
-                    offload_policy=_offload_policy(plan))
+        fully_shard(module, mesh=efsdp_mesh, shard_placement_fn=_shard_placement,
+                    mp_policy=mixed_precision_policy(params, plan), offload_policy=_offload_policy(plan))
         ep_dims = {name for p in params for name in (p.device_mesh.mesh_dim_names or ())}
         configure_gradient_reduction(module, efsdp_mesh, factor, replica_groups(efsdp_mesh, ep_dims))
     if rest:
-        fully_shard(unit, mesh=efsdp_mesh, shard_placement_fn=_shard_placement, mp_policy=_mp_policy(rest, plan),
-                    offload_policy=_offload_policy(plan))
+        fully_shard(unit, mesh=efsdp_mesh, shard_placement_fn=_shard_placement,
+                    mp_policy=mixed_precision_policy(rest, plan), offload_policy=_offload_policy(plan))
         configure_gradient_reduction(unit, efsdp_mesh, factor, replica_groups(efsdp_mesh))
 
 

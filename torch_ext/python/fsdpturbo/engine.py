@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .efsdp import FSDPPlanConfig, _mp_policy, configure_gradient_reduction, expert_fully_shard_modules, \
-    replica_groups
+from .config import parse_train_config
+from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
+                    mixed_precision_policy, replica_groups)
 from .ep import EPPlanConfig, expert_parallelize_modules
 from .norm import warmup_grad_norm
 from .plan import resolve_plan
@@ -66,7 +67,7 @@ def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_afte
         params = list(module.parameters())
         skipped = {p for p in params if id(p) in ignored}
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=_mp_policy([p for p in params if p not in skipped], FSDPPlanConfig()),
+                    mp_policy=mixed_precision_policy([p for p in params if p not in skipped], FSDPPlanConfig()),
                     offload_policy=offload_policy, ignored_params=skipped or None)
         configure_gradient_reduction(module, dp_mesh, factor, replicas)
     reduce_replicated_gradients([p for p in ignored_params if not isinstance(p, DTensor)], factor)
@@ -144,10 +145,13 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     made from `train_config` for the current world and made global). `device`: where meta
     tensors are materialised (default: the mesh device, the current one for cuda/npu).
     Collective: every rank calls it with the same arguments."""
-    from .config import parse_train_config
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     cfg = parse_train_config(train_config)
     dist_cfg = cfg.get("dist") or {}
+    if dist_cfg.get("dcp_path"):
+        raise NotImplementedError("fsdpturbo: dist_config.dcp_path (loading a torch.distributed.checkpoint) is not "
+                                  "implemented; pass weights=<Hugging Face safetensors checkpoint> instead")
     dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
     logger.info("Using %s for FSDPTurbo full tuning.", dtype)
     model.to(dtype)
@@ -175,7 +179,9 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     params = dict(model.named_parameters())  # after EP, which replaced the expert parameters
     fully_shard_outer(model, state.sub_mesh("dp"), factor,
                       ignored_params=[params[n] for n in plan["ignored_params"]],
-                      reshard_after_forward=dist_cfg.get("reshard_after_forward", True))
+                      reshard_after_forward=dist_cfg.get("reshard_after_forward", True),
+                      offload_policy=CPUOffloadPolicy(pin_memory=dist_cfg.get("pin_memory", True))
+                      if dist_cfg.get("offload_params") else None)
     materialize(model, device, weights)
     warmup_grad_norm(model)
     return model

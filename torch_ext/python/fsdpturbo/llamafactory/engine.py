@@ -121,7 +121,8 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
             state = self._parallel_state()
             efsdp_size = self.ep_fsdp_size if self.ep_fsdp_size is not None else state.efsdp_size
             efsdp_patterns = get_ep_fsdp_modules(spec) if efsdp_size > 1 else list(spec.ep_modules)
-            ep_plan = EPPlanConfig(apply_modules=spec.ep_modules, dispatcher=self.dist_config.get("ep_dispatcher", "eager"),
+            ep_plan = EPPlanConfig(apply_modules=spec.ep_modules,
+                                   dispatcher=self.dist_config.get("ep_dispatcher", "eager"),
                                    apply_efsdp_modules=efsdp_patterns)
             # dp = ep · efsdp · edp (the seed: ep · efsdp, which is dp only when edp = 1).
             ep_plan.gradient_divide_factor = float(self.ep_size * state.efsdp_size * getattr(state, "edp_size", 1))

@@ -14,7 +14,8 @@ def test_pip_install_from_torch_ext(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                     "--disable-pip-version-check", "--target", str(target), str(REPO / "torch_ext")],
                    check=True, env=env, cwd=tmp_path)
-    probe = ("import fsdpturbo, torch; "
+    probe = ("import fsdpturbo, fsdpturbo.llamafactory, torch; "
+             "import fsdp_turbo.distributed.expert_parallel.expert_fully_shard_parallel; "
              "assert fsdpturbo._native.LIB_PATH.parent.parent.parent == __import__('pathlib').Path(%r); "
              "x = torch.arange(10.); y = torch.empty(3); "
              "fsdpturbo.ops.copy_slice_(y, x, [4], [2], [0, 0, 0]); "

@@ -1,4 +1,5 @@
 """The strict training configuration, parsed and validated by the Rust core."""
+import contextlib
 import ctypes
 import json
 import os
@@ -6,10 +7,10 @@ import os
 from ._native import check, lib, string_out
 
 
-def parse_train_config(source) -> dict:
-    """Parses a LlamaFactory-style training YAML (a path, YAML text, or a dict) and returns the
-    validated configuration as a dict with every default filled in. Every violation, with its
-    YAML path and line, is reported in one ValueError."""
+@contextlib.contextmanager
+def config_handle(source):
+    """The parsed configuration handle (fsdpturbo_config_t) of `source` (a path, YAML text or a
+    dict), freed on exit. Every violation raises one ValueError."""
     if isinstance(source, dict):
         text = json.dumps(source)
     elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
@@ -21,6 +22,14 @@ def parse_train_config(source) -> dict:
     handle = ctypes.c_void_p()
     check(lib.fsdpturbo_config_parse(data, len(data), ctypes.byref(handle)))
     try:
-        return json.loads(string_out(lib.fsdpturbo_config_to_json, handle))
+        yield handle
     finally:
         lib.fsdpturbo_config_free(handle)
+
+
+def parse_train_config(source) -> dict:
+    """Parses a LlamaFactory-style training YAML (a path, YAML text, or a dict) and returns the
+    validated configuration as a dict with every default filled in. Every violation, with its
+    YAML path and line, is reported in one ValueError."""
+    with config_handle(source) as handle:
+        return json.loads(string_out(lib.fsdpturbo_config_to_json, handle))

@@ -106,10 +106,10 @@ def expert_parallelize_modules(model, ep_mesh, plan):
         module.num_global_experts = num_experts
         module.num_local_experts = local
         module.local_expert_indices = [ep_rank * local + i for i in range(local)]
-        # Also set when there is one local expert (the seed leaves it unset and crashes).
-        device = next(module.parameters()).device
-        module.expert_ids_per_ep_rank = torch.tensor([i % local for i in range(num_experts)], dtype=torch.int32,
-                                                     device=device if device.type != "meta" else "cpu")
+        # Also set when there is one local expert (the seed leaves it unset and crashes). A
+        # list, not a tensor: nothing made at EP time may need materialising (meta init); the
+        # forward builds its tensor on the tokens' device.
+        module.expert_ids_per_ep_rank = [i % local for i in range(num_experts)]
         distribute_expert_weights(module, ep_mesh)
         module.forward = types.MethodType(forward, module)
     return model
@@ -169,7 +169,7 @@ def _route(flat, counts, module, ep_rank, ep_size):
     input_splits = own.view(ep_size, local).sum(1).tolist()                     # synchronous host copy
     output_splits = mine.sum(1).tolist()
     tokens_per_local_expert = mine.sum(0).tolist()
-    ids = module.expert_ids_per_ep_rank.to(device=flat.device, dtype=torch.int64)
+    ids = torch.arange(module.num_global_experts, device=flat.device) % local  # expert_ids_per_ep_rank
     local_expert_of_row = torch.repeat_interleave(ids, mine.reshape(-1))
     return _Route(sorted_index=torch.argsort(flat, stable=True), input_splits=input_splits,
                   output_splits=output_splits, tokens_per_local_expert=tokens_per_local_expert,
@@ -244,6 +244,12 @@ def _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
     return hidden, top_k_index, top_k_weights
 
 
+def _shaped_like(out, hidden_states):
+    """`out` in the shape of `hidden_states`; not a view when the shapes already agree (FSDP2
+    warns about a wrapped module returning a view: in-place ops on it would skip its hooks)."""
+    return out if out.shape == hidden_states.shape else out.view(hidden_states.shape)
+
+
 def _eager_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The eager dispatcher: torch reference ops, all-to-all through c10d with autograd."""
     hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
@@ -256,7 +262,7 @@ def _eager_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_grou
     received = _dispatch(hidden, route, top_k, ep_group)
     y = _compute(module, received, route)
     out = _combine(y, route, weights, tokens, top_k, ep_group)
-    return out.view(hidden_states.shape)
+    return _shaped_like(out, hidden_states)
 
 
 def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
@@ -277,7 +283,7 @@ def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gro
     for i, (a, b) in enumerate(slices):
         y = _compute(module, received[i], routes[i])
         outputs.append(_combine(y, routes[i], weights[a:b], b - a, top_k, ep_group))
-    return torch.cat(outputs).view(hidden_states.shape)
+    return _shaped_like(torch.cat(outputs), hidden_states)
 
 
 def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
@@ -319,4 +325,4 @@ def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_grou
     y = ops.moe_unpermute(out, local_order, None, out.size(0), 1)
     back = _all_to_all(y, input_splits, output_splits, ep_group)
     result = ops.moe_unpermute(back.contiguous(), routed["permutation"], weights, tokens, top_k)
-    return result.view(hidden_states.shape)
+    return _shaped_like(result, hidden_states)

@@ -1,0 +1,164 @@
+"""The FSDP2 engine LlamaFactory's `fsdpturbo` backend drives: `FSDP2Engine` (the outer FSDP2
+over dp, materialisation and weight loading, grad-norm warm-up) and `FSDPTurboFSDP2Engine`
+(storage dtype, the EP and EFSDP step, the loader's `_copy_weights`)."""
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .. import norm
+from ..engine import fully_shard_outer, materialize
+from ..placement import copy_weights_
+from ..pattern import Pattern
+from ..weights import save_hf_weights
+from . import state as _state
+from ..spec import FSDPTurboEPModelSpec, get_ep_fsdp_modules
+
+logger = logging.getLogger(__name__)
+
+
+def _rank():
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _info_rank0(message, *args):
+    if _rank() == 0:
+        logger.info(message, *args)
+
+
+class FSDP2Engine:
+    """The outer FSDP2: `shard_model(model)` runs `prepare_model` (wrapping every decoder layer
+    and the root over `fsdp_mesh`), materialises meta tensors on the mesh's device, loads
+    `weights` (a Hugging Face safetensors checkpoint) through `_copy_weights`, and warms up the
+    grad norm. Gradients: summed over dp and cp, divided by dp (LlamaFactory scales each rank's
+    loss by dp / global tokens)."""
+
+    fsdp_mesh = weights = device = dist_interface = None
+
+    def __init__(self, dist_config, *, dist_interface=None, dp_mesh=None, weights=None, device=None):
+        self.dist_config = dict(dist_config or {})
+        self.dist_interface = dist_interface
+        self.fsdp_mesh = dp_mesh
+        self.weights = weights
+        self.device = device
+
+    def _mesh(self):
+        if self.fsdp_mesh is None and self.dist_interface is not None:
+            self.fsdp_mesh = self.dist_interface.get_device_mesh(_state.DP)
+        if self.fsdp_mesh is None:
+            raise RuntimeError("FSDPTurbo FSDP2: no dp mesh; construct the engine with dp_mesh=<the 'dp' DeviceMesh> "
+                               "or a dist_interface that has one")
+        return self.fsdp_mesh
+
+    def _device(self):
+        if self.device is not None:
+            return torch.device(self.device)
+        device_type = self._mesh().device_type
+        if device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+    def prepare_model(self, model, ignored_params=None):
+        mesh = self._mesh()
+        return fully_shard_outer(model, mesh, float(mesh.size()), ignored_params=ignored_params or (),
+                                 reshard_after_forward=bool(self.dist_config.get("reshard_after_forward", True)))
+
+    def _copy_weights(self, param, loaded_tensor):
+        copy_weights_(param, loaded_tensor)
+
+    def _warmup_grad_norm(self, model):
+        if self.fsdp_mesh is None:
+            return
+        norm.warmup_grad_norm(model)
+
+    def shard_model(self, model):
+        model = self.prepare_model(model)
+        materialize(model, self._device(), self.weights, copy_fn=self._copy_weights)
+        self._warmup_grad_norm(model)
+        return model
+
+    def save_model(self, model, path):
+        """Gathers the full state dict on every rank; rank 0 writes a Hugging Face checkpoint."""
+        return save_hf_weights(model, path)
+
+
+class FSDPTurboFSDP2Engine(FSDP2Engine):
+    """LlamaFactory's `FSDPTurboFSDP2Engine(dist_config, bf16=...)`: `dist_config` is the dict of
+    `FSDPTurboParams` (ep_size, ep_dispatcher, fsdp_ignored_modules, hook_modules,
+    fsdp_implementation, reshard_after_forward, …; our `efsdp_size` optional). The parallel
+    state (`get_fsdpturbo_parallel_state()`) must be initialised before `shard_model`, or is
+    initialised then from `dist_interface`. Making one touches no mesh."""
+
+    ep_fsdp_size = None  # None: the parallel state's efsdp size, read when sharding
+
+    def __init__(self, dist_config, bf16=False, *, dist_interface=None, dp_mesh=None, weights=None, device=None):
+        super().__init__(dist_config, dist_interface=dist_interface, dp_mesh=dp_mesh, weights=weights, device=device)
+        self.mixed_precision = "bf16" if bf16 else "fp32"
+        self.ep_size = int(self.dist_config.get("ep_size", 1))
+
+    def _parallel_state(self):
+        state = _state.get_fsdpturbo_parallel_state()
+        if self.dist_interface is not None and not state.initialized:
+            state.initialize(self.dist_interface, self.dist_config)
+        return state
+
+    def prepare_model_ep(self, model):
+        """The seed's EP step: the model type's spec (also required with ep_size 1), its prepare
+        function, then with ep > 1 `expert_parallelize_modules` and `expert_fully_shard_modules`
+        (looked up at call time on their fsdp_turbo modules) with a divide factor of dp; with
+        efsdp = 1 the expert modules alone are sharded over the size-1 efsdp mesh so their
+        gradients are reduced. Returns (model, parameters the outer FSDP2 ignores)."""
+        from fsdp_turbo.distributed.expert_parallel import expert_fully_shard_parallel, expert_parallel
+        from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPPlanConfig
+
+        spec = FSDPTurboEPModelSpec.get(model)
+        if spec is None:
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            raise ValueError(f"No FSDPTurbo EP spec is registered for model_type={model_type}.")
+        model = spec.prepare(model)
+        ignored_patterns = list(self.dist_config.get("fsdp_ignored_modules", []))
+        if self.ep_size > 1:
+            state = self._parallel_state()
+            efsdp_size = self.ep_fsdp_size if self.ep_fsdp_size is not None else state.efsdp_size
+            efsdp_patterns = get_ep_fsdp_modules(spec) if efsdp_size > 1 else list(spec.ep_modules)
+            ep_plan = EPPlanConfig(apply_modules=spec.ep_modules,
+                                   dispatcher=self.dist_config.get("ep_dispatcher", "eager"),
+                                   apply_efsdp_modules=efsdp_patterns)
+            # dp = ep · efsdp · edp (the seed: ep · efsdp, which is dp only when edp = 1).
+            ep_plan.gradient_divide_factor = float(self.ep_size * state.efsdp_size * getattr(state, "edp_size", 1))
+            fsdp_plan = FSDPPlanConfig(apply_modules={},
+                                       hook_modules=self.dist_config.get("hook_modules", []) if efsdp_size > 1 else [],
+                                       fsdp_implementation=self.dist_config.get("fsdp_implementation", "native"))
+            if state.ep_mesh is None:
+                raise RuntimeError("FSDPTurbo EP mesh is not initialized.")
+            if state.efsdp_mesh is None:
+                raise RuntimeError("FSDPTurbo EFSDP mesh is not initialized.")
+            _info_rank0("Applying FSDPTurbo EP backend.")
+            _info_rank0("FSDPTurbo EP apply patterns: %s", ep_plan.apply_modules)
+            _info_rank0("FSDPTurbo EP device mesh: %s", state.ep_mesh)
+            _info_rank0("FSDPTurbo EP gradient divide factor: %s", ep_plan.gradient_divide_factor)
+            model = expert_parallel.expert_parallelize_modules(model, state.ep_mesh, ep_plan)
+            _info_rank0("FSDPTurbo EFSDP apply patterns: %s", ep_plan.apply_efsdp_modules)
+            _info_rank0("FSDPTurbo EFSDP device mesh: %s", state.efsdp_mesh)
+            model = expert_fully_shard_parallel.expert_fully_shard_modules(model, state.efsdp_mesh, ep_plan, fsdp_plan)
+            ignored_patterns += list(spec.ep_modules)
+        patterns = [Pattern(p) for p in ignored_patterns]
+        ignored = set()
+        for name, module in model.named_modules():
+            if any(p.match(name) for p in patterns):
+                ignored.update(module.parameters())
+        if ignored:
+            _info_rank0("FSDPTurbo FSDP2: Ignoring %d EP parameters in outer FSDP.", len(ignored))
+        return model, ignored
+
+    def prepare_model(self, model, ignored_params=None):
+        model, ignored = self.prepare_model_ep(model)
+        return super().prepare_model(model, ignored_params=set(ignored) | set(ignored_params or ()))
+
+    def shard_model(self, model):
+        """Casts the parameters to the storage dtype (bf16 with `bf16=True`, else float32), then
+        runs `FSDP2Engine.shard_model`. Returns the model."""
+        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float32
+        _info_rank0("Using %s for FSDPTurbo full tuning.", dtype)
+        model = model.to(dtype)
+        return super().shard_model(model)

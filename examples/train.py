@@ -75,11 +75,6 @@ def build_model(args):
     torch.manual_seed(0)
     if args.model == "qwen3_5_moe":
         from transformers import Qwen3_5MoeForCausalLM as Model
-
-        from fsdpturbo.plan import register_model_spec
-
-        # The text-only model reports model_type qwen3_5_moe_text; its experts sit where qwen3_5_moe's do.
-        register_model_spec("qwen3_5_moe_text", ["model.layers.{*}.mlp.experts"])
     else:
         from transformers import Qwen3MoeForCausalLM as Model
     return Model(model_config(args))

@@ -46,7 +46,8 @@ pub struct SpecRegistry {
 }
 
 impl SpecRegistry {
-    /// The built-in specs: `qwen3_moe` and `qwen3_5_moe`, with the seed's patterns.
+    /// The built-in specs: `qwen3_moe` and `qwen3_5_moe`, with the seed's patterns, and
+    /// `qwen3_5_moe_text` (the text-only `Qwen3_5MoeForCausalLM`, layers under `model`).
     pub fn with_builtins() -> SpecRegistry {
         let mut registry = SpecRegistry { specs: BTreeMap::new() };
         registry.register(ModelSpec::new(
@@ -58,6 +59,11 @@ impl SpecRegistry {
             "qwen3_5_moe",
             &["model.language_model.layers.{*}.mlp.experts"],
             Some(&["model.language_model.layers.{*}.mlp"]),
+        ));
+        registry.register(ModelSpec::new(
+            "qwen3_5_moe_text",
+            &["model.layers.{*}.mlp.experts"],
+            Some(&["model.layers.{*}.mlp"]),
         ));
         registry
     }

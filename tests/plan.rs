@@ -26,7 +26,7 @@ fn builtin_specs_match_the_seed() {
     let qwen3 = registry.get("qwen3_moe").unwrap();
     assert_eq!(qwen3.ep_modules, ["model.layers.{*}.mlp.experts"]);
     assert_eq!(qwen3.efsdp_modules(), ["model.layers.{*}.mlp"]);
-    assert_eq!(registry.model_types(), ["qwen3_5_moe", "qwen3_moe"]);
+    assert_eq!(registry.model_types(), ["qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe"]);
 }
 
 #[test]
@@ -35,7 +35,7 @@ fn unregistered_model_type_names_the_registered_ones() {
     assert_eq!(err.kind, ErrorKind::Plan);
     assert_eq!(
         err.message,
-        "No FSDPTurbo EP spec is registered for model_type=llama. Registered: [qwen3_5_moe, qwen3_moe]"
+        "No FSDPTurbo EP spec is registered for model_type=llama. Registered: [qwen3_5_moe, qwen3_5_moe_text, qwen3_moe]"
     );
 }
 

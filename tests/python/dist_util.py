@@ -16,7 +16,8 @@ START_METHOD = os.environ.get("FT_MP_START", "forkserver")
 if START_METHOD == "forkserver":
     # transformers' Qwen3-MoE modules too: the EP and training tests build HF blocks on every rank.
     mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
-                               "transformers.models.qwen3_moe.modeling_qwen3_moe", "fsdpturbo"])
+                               "transformers.models.qwen3_moe.modeling_qwen3_moe",
+                               "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "fsdpturbo"])
 
 PG_TIMEOUT_S = float(os.environ.get("FT_PG_TIMEOUT_S", "60"))
 

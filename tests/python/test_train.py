@@ -33,15 +33,11 @@ def tiny_config(family):
 
 
 def build_model(family, seed=0):
-    """The Hugging Face causal LM of `family`, initialised from `seed` (the same on every rank)."""
-    from fsdpturbo.plan import register_model_spec
-
+    """The Hugging Face causal LM of `family`, initialised from `seed` (the same on every rank).
+    The text-only Qwen3.5 model's type is qwen3_5_moe_text, a built-in spec."""
     torch.manual_seed(seed)
     if family == "qwen3_5_moe":
         from transformers import Qwen3_5MoeForCausalLM as Model
-
-        # The text-only model's type is qwen3_5_moe_text, its layers under model.layers.
-        register_model_spec("qwen3_5_moe_text", ["model.layers.{*}.mlp.experts"])
     else:
         from transformers import Qwen3MoeForCausalLM as Model
     return Model(tiny_config(family))

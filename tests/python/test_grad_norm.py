@@ -604,3 +604,13 @@ def test_single_process_warmup_resets_gradients():
     model.weight.grad = torch.ones(3, 4)
     fsdpturbo.warmup_grad_norm(model)
     assert model.weight.grad is None and model.bias.grad is None
+
+
+def test_reduction_sets_come_from_the_core():
+    # The grouping is fsdpturbo_norm_plan's (the example of tests/c/test_norm.c): sets in
+    # first-seen order, each with its ids sorted, the empty set for plain and replicated entries.
+    assert fnorm._norm_plan([(2, 1), (), (1,), ()]) == ([0, 1, 2, 1], [[1, 2], [], [1]])
+    assert fnorm._norm_plan([(3, 0), (0, 3), (5,), (0, 3)]) == ([0, 0, 1, 0], [[0, 3], [5]])
+    assert fnorm._norm_plan([]) == ([], [])
+    with pytest.raises(fsdpturbo.FsdpturboValueError, match=r"gradient 1: .*appears twice"):
+        fnorm._norm_plan([(), (4, 4)])

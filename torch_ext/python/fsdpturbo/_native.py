@@ -111,6 +111,15 @@ class TopologyOptions(ctypes.Structure):
                 ("ep_size", ctypes.c_uint64), ("efsdp_size", ctypes.c_uint64)]
 
 
+class GradT(ctypes.Structure):
+    """fsdpturbo_grad_t."""
+    _fields_ = [("data", ctypes.c_void_p), ("mut_data", ctypes.c_void_p), ("numel", ctypes.c_size_t),
+                ("dtype", ctypes.c_int32), ("dims", ctypes.POINTER(ctypes.c_uint32)),
+                ("roles", ctypes.POINTER(ctypes.c_int32)), ("n_dims", ctypes.c_size_t)]
+
+
+DIM_SHARD = 0  # FSDPTURBO_DIM_SHARD
+
 _c = ctypes
 _SIGNATURES = {
     "fsdpturbo_last_error": (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
@@ -135,6 +144,9 @@ _SIGNATURES = {
     "fsdpturbo_spec_register": (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_char_p), _c.c_size_t,
                                              _c.POINTER(_c.c_char_p), _c.c_size_t]),
     "fsdpturbo_spec_to_json": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    "fsdpturbo_norm_plan": (_c.c_int32, [_c.POINTER(GradT), _c.c_size_t, _c.POINTER(_c.c_size_t),
+                                         _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t),
+                                         _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
 }
 for _name, (_restype, _argtypes) in _SIGNATURES.items():
     _fn = getattr(lib, _name)

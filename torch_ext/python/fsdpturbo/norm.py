@@ -18,10 +18,11 @@ dims on which it is sharded:
 * **One collective per set.** Gradients are grouped by distinct set, in first-seen order over
   the *parameter* list (which every rank shares), never over the gradients that happen to be
   present: a rank whose `param.grad` is None contributes 0 but issues the same collectives in
-  the same order, so no rank can hang. Each set's local Σ|g|^p (max |g| for p = inf) is computed
-  with one fused call and reduced with one scalar all-reduce per mesh dim of the set (SUM, or
-  MAX for p = inf, with NaN carried explicitly because backends' MAX may drop it), dims taken
-  in the mesh order of the first parameter of the set.
+  the same order, so no rank can hang. The grouping is the core's (`fsdpturbo_norm_plan`): each
+  distinct mesh dim gets an id in first-seen order over the parameter list, the same on every
+  rank. Each set's local Σ|g|^p (max |g| for p = inf) is computed with one fused call and
+  reduced with one scalar all-reduce per mesh dim of the set (SUM, or MAX for p = inf, with NaN
+  carried explicitly because backends' MAX may drop it), dims taken in ascending id order.
 * **One coefficient.** `min(max_norm / (total + 1e-6), 1)` scales every local gradient (the
   local tensor of a DTensor, also a `Partial` one: scaling is linear). A non-finite total (nan
   or inf) leaves the gradients untouched and is returned, or raises with
@@ -49,6 +50,7 @@ gradient is float64), on the device of the first parameter; gradients are not mu
 the coefficient is 1 or the total is non-finite; `max_norm` must be >= 0 (inf: never clip);
 p = 0, negative and NaN orders are a ValueError.
 """
+import ctypes
 import logging
 import math
 
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _native
 from ._native import ops
 
 logger = logging.getLogger(__name__)
@@ -99,11 +102,14 @@ def _check_norm_type(norm_type):
 
 
 class _Dims:
-    """Per-call cache of mesh dims: (mesh, dim index) -> (group ranks key, group, device type), or
-    None for a dim of size 1 (nothing to reduce)."""
+    """Per-call numbering of mesh dims: (mesh, dim index) -> id, or None for a dim of size 1
+    (nothing to reduce). A dim is keyed by the global ranks of this rank's group on it, and
+    ids go to distinct keys in first-seen order; `by_id[id]` is (key, group, device type)."""
 
     def __init__(self):
         self._cache = {}
+        self._ids = {}
+        self.by_id = []
 
     def get(self, mesh, i):
         key = (id(mesh), i)
@@ -112,12 +118,16 @@ class _Dims:
                 self._cache[key] = None
             else:
                 group = mesh.get_group(i)
-                self._cache[key] = (tuple(dist.get_process_group_ranks(group)), group, mesh.device_type)
+                ranks = tuple(dist.get_process_group_ranks(group))
+                if ranks not in self._ids:
+                    self._ids[ranks] = len(self.by_id)
+                    self.by_id.append((ranks, group, mesh.device_type))
+                self._cache[key] = self._ids[ranks]
         return self._cache[key]
 
 
 def _shard_dims(t, types, dims, name):
-    """The (key, group, device type) of each mesh dim of size > 1 on which DTensor `t` is Shard or
+    """The ids (`_Dims`) of the mesh dims of size > 1 on which DTensor `t` is Shard or
     _StridedShard, in mesh order (Replicate and Partial dims are not reduced: Partial gradients
     are redistributed first); None when this rank is not part of `t`'s mesh."""
     mesh = t.device_mesh
@@ -166,9 +176,37 @@ def _uses_host_kernels(t):
     return t.device.type == "cpu" and t.dtype in _HOST_DTYPES and not _FORCE_TORCH_KERNELS
 
 
+def _norm_plan(id_lists):
+    """`fsdpturbo_norm_plan` over the entries' Shard dim ids: (set index per entry, the sets'
+    ids in ascending order)."""
+    n = len(id_lists)
+    distinct = set(id_lists)
+    most = max(map(len, distinct), default=0)
+    roles = (ctypes.c_int32 * most)(*[_native.DIM_SHARD] * most)
+    arrays, layouts = {}, {}
+    for ids in distinct:
+        arrays[ids] = (ctypes.c_uint32 * len(ids))(*ids)
+        layouts[ids] = bytes(_native.GradT(dims=arrays[ids], roles=roles, n_dims=len(ids)))
+    # The entries repeat a few layouts: joining their bytes is ~10x faster than setting fields
+    # entry by entry (`arrays` and `roles` stay alive until the call returns).
+    grads = (_native.GradT * n).from_buffer_copy(b"".join([layouts[ids] for ids in id_lists]))
+    # Each set is one distinct layout's ids, sorted: the distinct layouts bound both outputs.
+    sets_cap, dims_cap = len(layouts), sum(map(len, layouts))
+    grad_set = (ctypes.c_size_t * n)()
+    set_ends = (ctypes.c_size_t * sets_cap)()
+    set_dims = (ctypes.c_uint32 * dims_cap)()
+    n_sets, n_set_dims = ctypes.c_size_t(), ctypes.c_size_t()
+    _native.check(_native.lib.fsdpturbo_norm_plan(grads, n, grad_set, set_ends, sets_cap, ctypes.byref(n_sets),
+                                                  set_dims, dims_cap, ctypes.byref(n_set_dims)))
+    flat = set_dims[:n_set_dims.value]
+    ends = set_ends[:n_sets.value]
+    return grad_set[:n], [flat[start:end] for start, end in zip([0] + ends[:-1], ends)]
+
+
 class _Plan:
     """The gradients of one call, grouped by reduction set in first-seen order over the shared
-    list. `sets`: [(dims, host locals, other locals)]; `host`/`other`: the tensors to scale."""
+    list. `sets`: [(dims, host locals, other locals)], dims as (key, group, device type);
+    `host`/`other`: the tensors to scale."""
 
     def __init__(self):
         self.sets = []
@@ -183,39 +221,39 @@ def _prepare(items, as_grads):
     DTensor = types[0] if types else ()
     dims = _Dims()
     plan = _Plan()
-    by_key = {}
+    rows = []
     for name, param, grad in _entries(items, as_grads):
         ref = param if param is not None else grad
         if isinstance(ref, DTensor):
-            ref_dims = _shard_dims(ref, types, dims, name)
-            if ref_dims is None:
+            ref_ids = _shard_dims(ref, types, dims, name)
+            if ref_ids is None:
                 continue  # this rank holds no part of it and takes part in none of its groups
         else:
-            ref_dims = ()
-        key = frozenset(d[0] for d in ref_dims)
-        entry = by_key.get(key)
-        if entry is None:
-            entry = by_key[key] = (ref_dims, [], [])
-            plan.sets.append(entry)
+            ref_ids = ()
         if plan.home is None:
             plan.home = ref.device
         plan.f64 = plan.f64 or ref.dtype == torch.float64
+        rows.append((name, param, grad, ref_ids))
+    grad_set, sets = _norm_plan([row[3] for row in rows])
+    plan.sets = [([dims.by_id[i] for i in ids], [], []) for ids in sets]
+    for (name, param, grad, ref_ids), s in zip(rows, grad_set):
+        entry = plan.sets[s]
         if grad is None:
             continue
         if isinstance(grad, DTensor):
             target = grad.to_local()
             local = target
             if param is not None:
-                grad_dims = _shard_dims(grad, types, dims, name)
-                if grad_dims is not None and frozenset(d[0] for d in grad_dims) != key:
-                    raise _mismatch(name, grad_dims, ref_dims)
+                grad_ids = _shard_dims(grad, types, dims, name)
+                if grad_ids is not None and set(grad_ids) != set(ref_ids):
+                    raise _mismatch(name, grad_ids, ref_ids, dims)
             if any(pl.is_partial() for pl in grad.placements):
                 Replicate = types[3]
                 local = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl
                                                              for pl in grad.placements]).to_local()
         else:
-            if ref_dims and param is not None:
-                raise _mismatch(name, (), ref_dims)
+            if ref_ids and param is not None:
+                raise _mismatch(name, (), ref_ids, dims)
             target = local = grad
         if _uses_host_kernels(target):
             entry[1].append(local)
@@ -226,11 +264,11 @@ def _prepare(items, as_grads):
     return plan
 
 
-def _mismatch(name, grad_dims, ref_dims):
+def _mismatch(name, grad_ids, ref_ids, dims):
     return ValueError(
-        f"{name}: the gradient is sharded over the groups {[d[0] for d in grad_dims]} but its parameter over "
-        f"{[d[0] for d in ref_dims]}; the reduction set comes from the parameter (shared by all ranks), so "
-        f"they must agree")
+        f"{name}: the gradient is sharded over the groups {[dims.by_id[i][0] for i in grad_ids]} but its "
+        f"parameter over {[dims.by_id[i][0] for i in ref_ids]}; the reduction set comes from the parameter "
+        f"(shared by all ranks), so they must agree")
 
 
 def _reduce_dtype(device_type):

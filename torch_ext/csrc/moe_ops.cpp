@@ -182,5 +182,3 @@ TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
 
 
 TORCH_LIBRARY_IMPL(fsdpturbo, CUDA, m) { fsdpturbo_torch::register_unavailable(m); }
-
-TORCH_LIBRARY_IMPL(fsdpturbo, PrivateUse1, m) { fsdpturbo_torch::register_unavailable(m); }

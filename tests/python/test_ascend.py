@@ -175,3 +175,22 @@ SPARSE_ROUTES = {
 @pytest.mark.parametrize("world,route", [(2, "sparse"), (4, "skewed")])
 def test_fused_and_mc2_through_the_double_equal_eager(world, route, tmp_path):
     run_ranks(_dispatchers_rank, world, route, str(tmp_path))
+
+
+def test_mc2_checks_shapes_and_dtypes_before_launch():
+    from fsdpturbo import mc2
+
+    x, w = torch.zeros(5, 4), torch.zeros(2, 6, 4)
+    with pytest.raises(ValueError, match=r"alltoallv_gmm: x \[rows, in\] and weight \[local experts, out, in\] "
+                                         r"expected, got \(5, 3\) and \(2, 6, 4\)"):
+        mc2.alltoallv_gmm(torch.zeros(5, 3), w, 0, 2, [1, 1, 1, 2], [1, 1, 1, 2])
+    with pytest.raises(ValueError, match=r"one dtype of bfloat16, float16 or float32 .* torch.float64"):
+        mc2.alltoallv_gmm(x.double(), w.double(), 0, 2, [1, 1, 1, 2], [1, 1, 1, 2])
+    with pytest.raises(ValueError, match=r"recv_counts has 3 entries; ep size 2 × 2 local experts = 4"):
+        mc2.alltoallv_gmm(x, w, 0, 2, [1, 1, 1, 2], [1, 1, 1])
+    with pytest.raises(ValueError, match=r"send_counts sum to 4 rows but x has 5"):
+        mc2.alltoallv_gmm(x, w, 0, 2, [1, 1, 1, 1], [1, 1, 1, 2])
+    with pytest.raises(ValueError, match=r"gmm_alltoallv: recv_counts sum to 5 rows but y has 3"):
+        mc2.gmm_alltoallv(torch.zeros(3, 4), w, 0, 2, [1, 1, 1, 2], [1, 1, 1, 2], None)
+    with pytest.raises(NotImplementedError, match=r"hccl_all_to_all_v runs on Ascend NPU tensors"):
+        torch.ops.fsdpturbo.hccl_all_to_all_v(x, 1, [5], [5])

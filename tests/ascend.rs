@@ -280,8 +280,8 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     let st = stream();
     let (g, m, k, n) = (3usize, 5usize, 4usize, 3usize);
     let mut counts = vec![2i64, 0, 3];
-    // x [M, K] two elements into its storage; weight stored [G, N, K] and viewed as [G, K, N].
-    let mut x: Vec<f32> = (0..2 + m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+    // x [M, K] three elements into its storage (an offset that is not ACL_FORMAT_ND's 2, so a swap shows); weight stored [G, N, K] and viewed as [G, K, N].
+    let mut x: Vec<f32> = (0..3 + m * k).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut w: Vec<f32> = (0..g * n * k).map(|i| (i as f32 * 0.11).cos()).collect();
     let mut y = vec![f32::NAN; m * n];
     let mut host = Host { buffers: vec![] };
@@ -299,7 +299,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     };
     unsafe {
         api.grouped_matmul(
-            &f32_view(&xd, &xs, 2, &mut x),
+            &f32_view(&xd, &xs, 3, &mut x),
             &f32_view(&wd, &ws, 0, &mut w),
             &group,
             &f32_view(&yd, &ys, 0, &mut y),
@@ -314,7 +314,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     for i in 0..m {
         for j in 0..n {
             let want: f64 =
-                (0..k).map(|c| x[2 + i * k + c] as f64 * w[group_of(i) * n * k + j * k + c] as f64).sum();
+                (0..k).map(|c| x[3 + i * k + c] as f64 * w[group_of(i) * n * k + j * k + c] as f64).sum();
             assert!((y[i * n + j] as f64 - want).abs() < 1e-5, "y[{i},{j}] = {} want {want}", y[i * n + j]);
         }
     }
@@ -337,7 +337,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     };
     unsafe {
         api.grouped_matmul(
-            &f32_view(&td, &ts, 2, &mut x),
+            &f32_view(&td, &ts, 3, &mut x),
             &f32_view(&dd, &ds, 0, &mut dy),
             &group,
             &f32_view(&od, &os, 0, &mut dw),
@@ -352,7 +352,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
         let rows: Vec<usize> = (0..m).filter(|&r| group_of(r) == e && counts[e] > 0).collect();
         for a in 0..k {
             for b in 0..n {
-                let want: f64 = rows.iter().map(|&r| x[2 + r * k + a] as f64 * dy[r * n + b] as f64).sum();
+                let want: f64 = rows.iter().map(|&r| x[3 + r * k + a] as f64 * dy[r * n + b] as f64).sum();
                 assert!((dw[e * k * n + a * n + b] as f64 - want).abs() < 1e-4, "dw[{e},{a},{b}]");
             }
         }
@@ -369,7 +369,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     };
     let err = unsafe {
         api.grouped_matmul(
-            &f32_view(&xd, &xs, 2, &mut x),
+            &f32_view(&xd, &xs, 3, &mut x),
             &f32_view(&wd, &ws, 0, &mut w),
             &group,
             &f32_view(&yd, &ys, 0, &mut y),
@@ -392,7 +392,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     };
     let err = unsafe {
         api.grouped_matmul(
-            &f32_view(&xd, &xs, 2, &mut x),
+            &f32_view(&xd, &xs, 3, &mut x),
             &f32_view(&wd, &ws, 1, &mut w),
             &group,
             &f32_view(&yd, &ys, 0, &mut y),
@@ -412,7 +412,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
 
     let expected = [
         "aclrtCreateStream S1",
-        "aclCreateTensor T1 dtype=0 dims=[5,4] strides=[4,1] offset=2 format=2 storage=[22]",
+        "aclCreateTensor T1 dtype=0 dims=[5,4] strides=[4,1] offset=3 format=2 storage=[23]",
         "aclCreateTensorList L1 [T1]",
         "aclCreateTensor T2 dtype=0 dims=[3,4,3] strides=[12,1,4] offset=0 format=2 storage=[36]",
         "aclCreateTensorList L2 [T2]",
@@ -425,7 +425,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
         "aclDestroyTensor T3",
         "aclDestroyTensorList L2",
         "aclDestroyTensorList L1",
-        "aclCreateTensor T5 dtype=0 dims=[4,5] strides=[1,4] offset=2 format=2 storage=[22]",
+        "aclCreateTensor T5 dtype=0 dims=[4,5] strides=[1,4] offset=3 format=2 storage=[23]",
         "aclCreateTensorList L4 [T5]",
         "aclCreateTensor T6 dtype=0 dims=[5,3] strides=[3,1] offset=0 format=2 storage=[15]",
         "aclCreateTensorList L5 [T6]",
@@ -438,7 +438,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
         "aclDestroyTensor T7",
         "aclDestroyTensorList L5",
         "aclDestroyTensorList L4",
-        "aclCreateTensor T9 dtype=0 dims=[5,4] strides=[4,1] offset=2 format=2 storage=[22]",
+        "aclCreateTensor T9 dtype=0 dims=[5,4] strides=[4,1] offset=3 format=2 storage=[23]",
         "aclCreateTensorList L7 [T9]",
         "aclCreateTensor T10 dtype=0 dims=[3,4,3] strides=[12,1,4] offset=0 format=2 storage=[36]",
         "aclCreateTensorList L8 [T10]",
@@ -451,7 +451,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
         "aclDestroyTensor T11",
         "aclDestroyTensorList L8",
         "aclDestroyTensorList L7",
-        "aclCreateTensor T13 dtype=0 dims=[5,4] strides=[4,1] offset=2 format=2 storage=[22]",
+        "aclCreateTensor T13 dtype=0 dims=[5,4] strides=[4,1] offset=3 format=2 storage=[23]",
         "aclCreateTensorList L10 [T13]",
         "VIOLATION aclCreateTensor: the view reaches element 36 of a storage of 36 elements",
         "aclDestroyTensorList L10",

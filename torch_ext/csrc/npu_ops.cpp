@@ -109,7 +109,8 @@ void same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) {
   npu_dtype(a, op);
 }
 
-// y = x @ weight[g]^T per group: aclnn weight [G, in, out] is the transposed view (no copy).
+// y = x @ weight[g]^T per group: aclnn weight [G, in, out] is the transposed view (no copy), as
+// the seed passes `w_g.T`; every other operand is contiguous.
 at::Tensor grouped_mm_npu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& weight) {
   const char* op = "grouped_mm";
   TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
@@ -119,7 +120,7 @@ at::Tensor grouped_mm_npu(const at::Tensor& x, const at::Tensor& counts, const a
   auto c = group_list(counts, weight.size(0), x, op);
   auto y = at::empty({x.size(0), weight.size(1)}, x.options());
   if (y.numel() == 0) return y;
-  launch_gmm(x, weight.transpose(1, 2), c, y, 2, 0, "fsdpturbo::grouped_mm");
+  launch_gmm(x.contiguous(), weight.contiguous().transpose(1, 2), c, y, 2, 0, "fsdpturbo::grouped_mm");
   return y;
 }
 
@@ -132,7 +133,7 @@ at::Tensor grouped_mm_grad_input_npu(const at::Tensor& grad_y, const at::Tensor&
   auto c = group_list(counts, weight.size(0), grad_y, op);
   auto grad_x = at::empty({grad_y.size(0), weight.size(2)}, grad_y.options());
   if (grad_x.numel() == 0) return grad_x;
-  launch_gmm(grad_y, weight, c, grad_x, 2, 0, "fsdpturbo::grouped_mm_grad_input");
+  launch_gmm(grad_y.contiguous(), weight.contiguous(), c, grad_x, 2, 0, "fsdpturbo::grouped_mm_grad_input");
   return grad_x;
 }
 
@@ -149,7 +150,7 @@ at::Tensor grouped_mm_grad_weight_npu(const at::Tensor& grad_y, const at::Tensor
   auto grad_w = at::empty({c.size(0), x.size(1), grad_y.size(1)}, x.options());
   if (grad_w.numel() == 0) return grad_w.transpose(1, 2).contiguous();
   if (x.size(0) == 0) return grad_w.zero_().transpose(1, 2).contiguous();
-  launch_gmm(x.t(), grad_y, c, grad_w, 3, 2, "fsdpturbo::grouped_mm_grad_weight");
+  launch_gmm(x.contiguous().t(), grad_y.contiguous(), c, grad_w, 3, 2, "fsdpturbo::grouped_mm_grad_weight");
   return grad_w.transpose(1, 2).contiguous();
 }
 
@@ -187,7 +188,7 @@ at::Tensor moe_unpermute_npu(const at::Tensor& permuted, const at::Tensor& permu
 // Routing metadata on the host (the CPU kernels), results back on the device.
 template <typename... Args>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> on_host(const char* name, const at::Tensor& t, Args... args) {
-  static auto op = c10::Dispatcher::singleton()
+  auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow(name, "")
                        .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, Args...)>();
   auto [a, b, c] = op.call(t.cpu(), args...);

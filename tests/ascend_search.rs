@@ -1,10 +1,46 @@
-//! Version probing in its own process: a libopapi without aclnnGroupedMatmulV5 falls back to
-//! aclnnGroupedMatmulV4 (op-plugin's probe), which then runs the same protocol.
+//! Where the Ascend libraries are found and which operator version is used, in a process of its
+//! own (it loads a libopapi without aclnnGroupedMatmulV5): `$ASCEND_HOME_PATH/lib64`, op-plugin's
+//! search order, and the V5 → V4 fallback, which then runs the same protocol.
 
 mod ascend_double;
 
 use fsdpturbo::backend::acl::{ACL_FLOAT, ACL_INT64, Acl};
 use fsdpturbo::backend::aclnn::{Aclnn, View};
+use fsdpturbo::backend::hccl::Hccl;
+
+#[test]
+fn ascend_home_path_lib64_and_the_op_plugin_search_order() {
+    let _g = ascend_double::lock();
+    let d = ascend_double::dir();
+    let home = d.join("ascend_home");
+    let lib64 = home.join("lib64");
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&lib64).unwrap();
+    for name in ["libascendcl.so", "libhccl.so", "libopapi.so", "libnnopbase.so"] {
+        std::os::unix::fs::symlink(d.join(name), lib64.join(name)).unwrap();
+    }
+    // A vendor operator library (searched before libopapi.so) without grouped matmul V5.
+    std::os::unix::fs::symlink(d.join("v4only/libopapi.so"), lib64.join("libopapi_vendor.so")).unwrap();
+    // SAFETY: under the lock.
+    unsafe {
+        for var in
+            ["FSDPTURBO_ACL_PATH", "FSDPTURBO_HCCL_PATH", "FSDPTURBO_OPAPI_PATH", "FSDPTURBO_NNOPBASE_PATH"]
+        {
+            std::env::remove_var(var);
+        }
+        std::env::set_var("ASCEND_HOME_PATH", &home);
+    }
+    assert_eq!(Acl::load().unwrap().lib.path(), lib64.join("libascendcl.so"));
+    assert_eq!(Hccl::load().unwrap().lib.path(), lib64.join("libhccl.so"));
+    let aclnn = Aclnn::load().unwrap();
+    let paths: Vec<_> = aclnn.libs.iter().map(|l| l.path().to_path_buf()).collect();
+    assert_eq!(
+        paths,
+        [lib64.join("libopapi_vendor.so"), lib64.join("libopapi.so"), lib64.join("libnnopbase.so")]
+    );
+    assert_eq!(aclnn.grouped_matmul.version(), 5, "V5 is taken from the first library that has it");
+    unsafe { std::env::remove_var("ASCEND_HOME_PATH") };
+}
 
 #[test]
 fn without_v5_grouped_matmul_falls_back_to_v4() {

@@ -167,10 +167,7 @@ at::Tensor moe_permute_npu(const at::Tensor& hidden, const at::Tensor& rows, int
 // f32 (f64 for f64) with probs first rounded to the tokens' dtype, as the host kernel does.
 at::Tensor moe_unpermute_npu(const at::Tensor& permuted, const at::Tensor& permutation,
                              const std::optional<at::Tensor>& probs, int64_t tokens, int64_t top_k) {
-  TORCH_CHECK_VALUE(permuted.dim() == 2, "fsdpturbo::moe_unpermute: permuted must be [rows, hidden], got ",
-                    permuted.sizes());
-  TORCH_CHECK_VALUE(permuted.size(0) == tokens * top_k, "permuted tokens(", permuted.size(0), ") != sorted indices(",
-                    tokens * top_k, ")");
+  check_unpermute_shape(permuted, tokens, top_k);
   TORCH_CHECK_VALUE(permutation.dim() == 1 && permutation.numel() == tokens * top_k,
                     "fsdpturbo::moe_unpermute: permutation must have ", tokens * top_k, " entries");
   auto perm = permutation.to(permuted.device(), at::kLong);

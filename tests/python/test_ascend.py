@@ -114,6 +114,13 @@ def _grouped_mm_rank(rank, world, log_dir):
                             r"storage=\[30\]", l) for l in lines), lines
     assert any("splitItem=3 groupType=2 groupListType=1" in l for l in lines), lines
     assert sum(l.startswith("aclnnGroupedMatmulV5 ") for l in lines) == 3  # forward, dX, dW
+    # bfloat16 reaches aclnn as ACL_BF16 (27); the double rounds its f64 sums once.
+    yb = ops.grouped_mm(x.detach().bfloat16(), counts, w.detach().bfloat16())
+    torch.testing.assert_close(yb.float(), yr.detach(), rtol=2e-2, atol=5e-2)
+    assert re.fullmatch(r"aclCreateTensor T\d+ dtype=27 dims=\[6,5\] .*", _log(log)[len(lines) + 0]), _log(log)
+    from fsdpturbo._native import lib
+    version = ctypes.c_uint32()
+    assert lib.fsdpturbo_npu_grouped_matmul_version(ctypes.byref(version)) == 0 and version.value == 5
 
 
 def test_grouped_mm_runs_aclnn_through_the_double(tmp_path):

@@ -159,12 +159,13 @@ pub struct Aclnn {
     pub libs: Vec<Loaded>,
 }
 
-/// The first library (in search order) that has both `name` and, for an operator, its
-/// `…GetWorkspaceSize` (op-plugin's availability check).
+/// `name` from the first library (in search order) that has it.
 unsafe fn find<T: Copy>(libs: &[Loaded], name: &str) -> Option<T> {
     libs.iter().find_map(|lib| unsafe { lib.optional::<T>(name) })
 }
 
+/// An operator's two phases from the first library that has both `…GetWorkspaceSize` and the
+/// launch (op-plugin's availability check).
 unsafe fn find_op<W: Copy>(libs: &[Loaded], op: &str) -> Option<(W, Launch)> {
     libs.iter().find_map(|lib| unsafe {
         Some((lib.optional::<W>(&format!("{op}GetWorkspaceSize"))?, lib.optional::<Launch>(op)?))

@@ -15,6 +15,10 @@ use parking_lot::RwLock;
 
 use crate::error::{Error, ErrorKind, Result};
 
+pub mod acl;
+pub mod aclnn;
+pub mod hccl;
+
 /// How to find one vendor library.
 pub struct LibrarySpec {
     /// Human name used in errors ("NCCL").

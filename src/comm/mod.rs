@@ -10,6 +10,8 @@ use std::ffi::c_void;
 
 use crate::error::{Error, Result};
 
+pub mod hccl;
+
 /// Element types a collective moves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataType {

@@ -12,6 +12,7 @@ pub mod panic;
 pub mod status;
 pub mod version;
 
+pub mod ascend;
 pub mod config;
 pub mod norm;
 pub mod ops;

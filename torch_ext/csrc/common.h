@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include "fsdpturbo.h"
@@ -46,6 +47,14 @@ inline std::vector<uint64_t> unsigned_from(c10::IntArrayRef values, const char* 
     out.push_back(static_cast<uint64_t>(values[i]));
   }
   return out;
+}
+
+// The shape checks of moe_unpermute shared by its kernels (the second keeps the seed's text).
+inline void check_unpermute_shape(const at::Tensor& permuted, int64_t tokens, int64_t top_k) {
+  TORCH_CHECK_VALUE(permuted.dim() == 2, "fsdpturbo::moe_unpermute: permuted must be [rows, hidden], got ",
+                    permuted.sizes());
+  TORCH_CHECK_VALUE(permuted.size(0) == tokens * top_k, "permuted tokens(", permuted.size(0), ") != sorted indices(",
+                    tokens * top_k, ")");
 }
 
 // Raised by the kernels of devices whose run-time backend is not built yet.

@@ -89,10 +89,7 @@ at::Tensor moe_permute_cpu(const at::Tensor& hidden, const at::Tensor& rows, int
 
 at::Tensor moe_unpermute_cpu(const at::Tensor& permuted, const at::Tensor& permutation,
                              const std::optional<at::Tensor>& probs, int64_t tokens, int64_t top_k) {
-  TORCH_CHECK_VALUE(permuted.dim() == 2, "fsdpturbo::moe_unpermute: permuted must be [rows, hidden], got ",
-                    permuted.sizes());
-  TORCH_CHECK_VALUE(permuted.size(0) == tokens * top_k, "permuted tokens(", permuted.size(0), ") != sorted indices(",
-                    tokens * top_k, ")");
+  check_unpermute_shape(permuted, tokens, top_k);
   auto src = permuted.contiguous();
   auto index = index_tensor(permutation, "moe_unpermute", "permutation");
   at::Tensor weights;
@@ -182,5 +179,3 @@ TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
 
 
 TORCH_LIBRARY_IMPL(fsdpturbo, CUDA, m) { fsdpturbo_torch::register_unavailable(m); }
-
-TORCH_LIBRARY_IMPL(fsdpturbo, PrivateUse1, m) { fsdpturbo_torch::register_unavailable(m); }

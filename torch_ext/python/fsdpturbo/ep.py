@@ -1,5 +1,5 @@
 """Expert parallelism: `expert_parallelize_modules(model, ep_mesh, plan)` and the token
-dispatchers (eager, domino; mc2 and fused are validated here and run where their kernels exist).
+dispatchers (eager, fused, domino; mc2 on Ascend NPUs, fsdpturbo/mc2.py).
 
 The seed's contract (reference/seed-semantics.md §4–§5), with DESIGN §4 fixes: expert ids
 outside [0, E) are an error on every rank (no rank hangs), experts == ep works, and split
@@ -83,8 +83,12 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
     if dispatcher == "fused":
         return functools.partial(_fused_forward, ep_group=ep_group, fixed_router=fixed_router)
     if dispatcher == "mc2":
-        raise RuntimeError("The 'mc2' dispatcher runs only on Ascend NPUs (torch_npu's fused AllToAllV + "
-                           "grouped matmul); this host has no NPU. Use 'eager', 'fused' or 'domino'.")
+        from . import mc2
+
+        if not mc2.available():
+            raise RuntimeError("The 'mc2' dispatcher runs only on Ascend NPUs (HCCL AllToAllV + aclnn grouped "
+                               "matmul); this host has no NPU. Use 'eager', 'fused' or 'domino'.")
+        return functools.partial(mc2.mc2_forward, ep_group=ep_group, fixed_router=fixed_router)
     raise RuntimeError(f"Unsupported dispatcher {dispatcher}.")
 
 
@@ -288,8 +292,8 @@ def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gro
 
 def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
-    (`torch.ops.fsdpturbo`: host kernels on CPU; on CUDA/NPU the ops raise "not available on this
-    device yet" until the device backends land). When no local expert receives a token it falls
+    (`torch.ops.fsdpturbo`: host kernels on CPU, aclnn grouped matmul on Ascend NPUs; on CUDA the
+    ops raise "not available on this device yet" until the CUDA backend lands). When no local expert receives a token it falls
     back to the eager expert MLP, as the seed does."""
     from ._native import ops
 

@@ -1,0 +1,185 @@
+//! Collectives over an HCCL communicator made from a root info (`HcclGetRootInfo` on one rank,
+//! the 4108 bytes sent to every rank by the caller, e.g. a c10d broadcast, then
+//! `HcclCommInitRootInfo` everywhere). Buffers are device memory; work is queued on the stream.
+
+use std::ffi::c_void;
+
+use super::{AllToAllV, Collective, DataType, ReduceOp, Stream};
+use crate::backend::hccl::{HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce};
+use crate::error::{Error, Result};
+
+pub struct HcclCollective {
+    api: &'static Hccl,
+    comm: HcclComm,
+    rank: usize,
+    world_size: usize,
+}
+
+// SAFETY: an HCCL communicator may be used from any thread, one call at a time (the &self
+// methods are called by the one thread that owns the process group's work).
+unsafe impl Send for HcclCollective {}
+
+/// A fresh root info (on the root rank only).
+pub fn root_info() -> Result<Vec<u8>> {
+    let api = Hccl::get()?;
+    let mut info = HcclRootInfo { internal: [0; HCCL_ROOT_INFO_BYTES] };
+    // SAFETY: a writable HcclRootInfo.
+    api.check(unsafe { (api.get_root_info)(&mut info) }, "HcclGetRootInfo")?;
+    Ok(info.internal.to_vec())
+}
+
+fn hccl_dtype(t: DataType) -> i32 {
+    match t {
+        DataType::U8 => dtype::UINT8,
+        DataType::I32 => dtype::INT32,
+        DataType::I64 => dtype::INT64,
+        DataType::F16 => dtype::FP16,
+        DataType::Bf16 => dtype::BFP16,
+        DataType::F32 => dtype::FP32,
+        DataType::F64 => dtype::FP64,
+    }
+}
+
+fn hccl_op(op: ReduceOp) -> i32 {
+    match op {
+        ReduceOp::Sum => reduce::SUM,
+        ReduceOp::Prod => reduce::PROD,
+        ReduceOp::Max => reduce::MAX,
+        ReduceOp::Min => reduce::MIN,
+    }
+}
+
+impl HcclCollective {
+    /// Joins the communicator of `world_size` ranks described by `root` (from [`root_info`]).
+    pub fn new(root: &[u8], world_size: usize, rank: usize) -> Result<HcclCollective> {
+        if root.len() != HCCL_ROOT_INFO_BYTES {
+            return Err(Error::invalid(format!(
+                "HCCL root info has {} bytes; HcclRootInfo is exactly {HCCL_ROOT_INFO_BYTES}",
+                root.len()
+            )));
+        }
+        if world_size == 0 || rank >= world_size || u32::try_from(world_size).is_err() {
+            return Err(Error::invalid(format!(
+                "HCCL communicator: rank {rank} is outside a group of {world_size} ranks"
+            )));
+        }
+        let api = Hccl::get()?;
+        let mut info = HcclRootInfo { internal: [0; HCCL_ROOT_INFO_BYTES] };
+        info.internal.copy_from_slice(root);
+        let mut comm: HcclComm = std::ptr::null_mut();
+        // SAFETY: nRanks, root info, rank, then the communicator out-pointer (last).
+        let code = unsafe { (api.comm_init_root_info)(world_size as u32, &info, rank as u32, &mut comm) };
+        api.check(code, "HcclCommInitRootInfo")?;
+        Ok(HcclCollective { api, comm, rank, world_size })
+    }
+}
+
+impl Drop for HcclCollective {
+    fn drop(&mut self) {
+        // SAFETY: made by HcclCommInitRootInfo, destroyed once.
+        unsafe { (self.api.comm_destroy)(self.comm) };
+    }
+}
+
+impl Collective for HcclCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    unsafe fn all_reduce(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: Stream,
+    ) -> Result<()> {
+        // SAFETY: the caller's buffers and stream.
+        let code = unsafe {
+            (self.api.all_reduce)(
+                send.cast_mut(),
+                recv,
+                count as u64,
+                hccl_dtype(dtype),
+                hccl_op(op),
+                self.comm,
+                stream.0,
+            )
+        };
+        self.api.check(code, "HcclAllReduce")
+    }
+
+    unsafe fn all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<()> {
+        // SAFETY: the caller's buffers and stream.
+        let code = unsafe {
+            (self.api.all_gather)(send.cast_mut(), recv, count as u64, hccl_dtype(dtype), self.comm, stream.0)
+        };
+        self.api.check(code, "HcclAllGather")
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: Stream,
+    ) -> Result<()> {
+        // SAFETY: the caller's buffers and stream.
+        let code = unsafe {
+            (self.api.reduce_scatter)(
+                send.cast_mut(),
+                recv,
+                count as u64,
+                hccl_dtype(dtype),
+                hccl_op(op),
+                self.comm,
+                stream.0,
+            )
+        };
+        self.api.check(code, "HcclReduceScatter")
+    }
+
+    unsafe fn all_to_all_v(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        layout: &AllToAllV,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<()> {
+        layout.check(self.world_size)?;
+        let host = |v: &[usize]| v.iter().map(|&x| x as u64).collect::<Vec<u64>>();
+        let (sc, sd) = (host(&layout.send_counts), host(&layout.send_displs));
+        let (rc, rd) = (host(&layout.recv_counts), host(&layout.recv_displs));
+        let t = hccl_dtype(dtype);
+        // SAFETY: host uint64_t arrays of one entry per rank, alive for the call.
+        let code = unsafe {
+            (self.api.all_to_all_v)(
+                send,
+                sc.as_ptr().cast(),
+                sd.as_ptr().cast(),
+                t,
+                recv.cast_const(),
+                rc.as_ptr().cast(),
+                rd.as_ptr().cast(),
+                t,
+                self.comm,
+                stream.0,
+            )
+        };
+        self.api.check(code, "HcclAlltoAllV")
+    }
+}

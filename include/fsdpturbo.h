@@ -20,6 +20,44 @@
 #define FSDPTURBO_MODEL_DESC_INIT { sizeof(fsdpturbo_model_desc_t), NULL, NULL, 0, NULL, NULL, NULL, 0 }
 
 
+// `aclDataType` values used here (acl_base.h).
+#define ACL_FLOAT 0
+
+#define ACL_FLOAT16 1
+
+#define ACL_INT64 9
+
+#define ACL_DOUBLE 11
+
+#define ACL_BF16 27
+
+// `aclFormat` ND.
+#define ACL_FORMAT_ND 2
+
+#define HCCL_ROOT_INFO_BYTES 4108
+
+#define INT32 2
+
+#define FP16 3
+
+#define FP32 4
+
+#define INT64 5
+
+#define UINT8 7
+
+#define FP64 10
+
+#define BFP16 11
+
+#define SUM 0
+
+#define PROD 1
+
+#define MAX 2
+
+#define MIN 3
+
 // Element type codes (`int32_t dtype` arguments): float.
 #define FSDPTURBO_DTYPE_F32 0
 
@@ -73,6 +111,9 @@
 
 // The ABI version: bumped on every incompatible change of this header.
 #define FSDPTURBO_ABI_VERSION 1
+
+// Bytes of an HCCL root info (`HcclRootInfo`).
+#define FSDPTURBO_HCCL_ROOT_INFO_BYTES HCCL_ROOT_INFO_BYTES
 
 // `dist_config.ep_dispatcher: eager` (also when there is no dist_config).
 #define FSDPTURBO_DISPATCHER_EAGER 0
@@ -153,6 +194,9 @@ typedef struct fsdpturbo_config_t fsdpturbo_config_t;
 // A copy plan: the elements of the full row-major tensor that form one rank's local tensor.
 typedef struct fsdpturbo_copy_plan_t fsdpturbo_copy_plan_t;
 
+// An HCCL communicator (opaque).
+typedef struct fsdpturbo_hccl_comm_t fsdpturbo_hccl_comm_t;
+
 // A compiled module-name pattern (opaque). Made by fsdpturbo_pattern_compile, released with
 // fsdpturbo_pattern_free. Matching does not modify it, so one handle may be matched from
 // several threads at once.
@@ -164,6 +208,21 @@ typedef struct fsdpturbo_plan_t fsdpturbo_plan_t;
 // An opaque, immutable topology. Made by fsdpturbo_topology_new or fsdpturbo_state_get; freed
 // with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
+
+// A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
+// `offset` elements into `storage`, an allocation of `storage_len` elements.
+typedef struct {
+  void *storage;
+  int64_t storage_len;
+  int64_t offset;
+  size_t ndim;
+  const int64_t *dims;
+  const int64_t *strides;
+} fsdpturbo_npu_view_t;
+
+// Allocates `bytes` of device memory valid for work queued on the launch stream; NULL on
+// failure. Called at most once per launch, between the two aclnn phases.
+typedef void *(*fsdpturbo_npu_alloc_fn)(void *ctx, uint64_t bytes);
 
 // One gradient of the parameter list shared by all ranks, with its local elements on this
 // rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
@@ -267,6 +326,14 @@ typedef struct {
   uint64_t efsdp_size;
 } fsdpturbo_topology_options_t;
 
+typedef int AclError;
+
+typedef int HcclResult;
+
+#define ACL_SUCCESS 0
+
+#define HCCL_SUCCESS 0
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -290,6 +357,57 @@ const char *fsdpturbo_version(void);
 
 // The ABI version this library implements (FSDPTURBO_ABI_VERSION of its header).
 uint32_t fsdpturbo_abi_version(void);
+
+// Writes a fresh HCCL root info (`FSDPTURBO_HCCL_ROOT_INFO_BYTES` bytes) to `out`; call on one
+// rank and send the bytes to every rank of the group.
+int32_t fsdpturbo_hccl_root_info(uint8_t *out, size_t len);
+
+// Joins the HCCL communicator of `world_size` ranks described by `root` (`len` bytes).
+int32_t fsdpturbo_hccl_comm_new(const uint8_t *root,
+                                size_t len,
+                                uint32_t world_size,
+                                uint32_t rank,
+                                fsdpturbo_hccl_comm_t **out);
+
+// Destroys a communicator; NULL is a no-op.
+void fsdpturbo_hccl_comm_free(fsdpturbo_hccl_comm_t *comm);
+
+// All-to-all-v of `dtype` (FSDPTURBO_DTYPE_*) elements: `world_size` counts and displacements
+// per direction, in elements; queued on `stream`.
+int32_t fsdpturbo_hccl_all_to_all_v(const fsdpturbo_hccl_comm_t *comm,
+                                    const void *send,
+                                    void *recv,
+                                    const uint64_t *send_counts,
+                                    const uint64_t *send_displs,
+                                    const uint64_t *recv_counts,
+                                    const uint64_t *recv_displs,
+                                    size_t world_size,
+                                    int32_t dtype,
+                                    void *stream);
+
+// Grouped matmul through aclnn (V5, or V4 where V5 is absent) with per-group counts
+// (`group_list`: int64, one entry per group) on `stream`. `group_type` 0: x [M,K], weight
+// [G,K,N], out [M,N], `split_item` 2; `group_type` 2 (split along K): x [M,K], weight [K,N],
+// out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
+int32_t fsdpturbo_npu_grouped_matmul(int32_t dtype,
+                                     const fsdpturbo_npu_view_t *x,
+                                     const fsdpturbo_npu_view_t *weight,
+                                     const fsdpturbo_npu_view_t *group_list,
+                                     const fsdpturbo_npu_view_t *out,
+                                     int64_t split_item,
+                                     int64_t group_type,
+                                     fsdpturbo_npu_alloc_fn alloc,
+                                     void *alloc_ctx,
+                                     void *stream);
+
+// The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
+int32_t fsdpturbo_npu_grouped_matmul_version(uint32_t *out);
+
+// Test mode only: succeeds only when libascendcl, libhccl, libopapi and libnnopbase are all
+// fsdpturbo's C test doubles (csrc/testing; they export a marker no CANN library has), and
+// then makes a stream of the double's runtime. With real CANN libraries it always fails, so
+// the op library's switch onto the doubles cannot be thrown in production.
+int32_t fsdpturbo_ascend_test_double_stream(void **out);
 
 // Parses and validates a training YAML of `len` bytes at `yaml` (need not be NUL-terminated;
 // NULL is accepted when `len` is 0). On success `*out` receives a new handle; on failure

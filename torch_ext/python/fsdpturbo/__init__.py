@@ -8,9 +8,11 @@ from .config import parse_train_config
 from .efsdp import FSDPPlanConfig, expert_fully_shard_modules
 from .engine import shard_model
 from .norm import clip_grad_norm_, get_total_norm, warmup_grad_norm
+from .patch import patch_model_members
 from .pattern import module_name_match
 from .placement import copy_weights_, gather_full, local_shape_and_offset
 from .plan import get_model_spec, register_model_spec, resolve_plan
+from .registry import dispatch_op, get_op, register_op
 from .topology import ParallelState, get_parallel_state, initialize_parallel_state, reset_parallel_state
 from .weights import full_state_dict, load_hf_weights, meta_parameters, save_hf_weights
 
@@ -18,8 +20,8 @@ __version__ = ops.version()
 
 __all__ = [
     "FSDPPlanConfig", "FsdpturboError", "FsdpturboValueError", "ParallelState", "clip_grad_norm_", "copy_weights_",
-    "expert_fully_shard_modules", "full_state_dict", "gather_full", "get_model_spec", "get_parallel_state",
+    "dispatch_op", "expert_fully_shard_modules", "full_state_dict", "gather_full", "get_model_spec", "get_op", "get_parallel_state",
     "get_total_norm", "initialize_parallel_state", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
-    "module_name_match", "ops", "parse_train_config", "register_model_spec", "reset_parallel_state", "resolve_plan",
+    "module_name_match", "ops", "parse_train_config", "patch_model_members", "register_model_spec", "register_op", "reset_parallel_state", "resolve_plan",
     "save_hf_weights", "shard_model", "warmup_grad_norm",
 ]

@@ -15,6 +15,12 @@ use parking_lot::RwLock;
 
 use crate::error::{Error, ErrorKind, Result};
 
+pub mod cublas;
+pub mod cuda;
+pub mod kernels;
+pub mod nccl;
+pub mod nvrtc;
+
 /// How to find one vendor library.
 pub struct LibrarySpec {
     /// Human name used in errors ("NCCL").

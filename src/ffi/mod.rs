@@ -12,7 +12,10 @@ pub mod panic;
 pub mod status;
 pub mod version;
 
+pub mod backend;
+pub mod comm;
 pub mod config;
+pub mod cuda;
 pub mod norm;
 pub mod pattern;
 pub mod placement;

@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use super::cuda::{CUstream, driver};
 use super::kernels::Elem;
 use super::{LibrarySpec, Loaded, load};
+use crate::comm::Stream;
 use crate::error::{Error, ErrorKind, Result};
 
 type Status = c_int;
@@ -215,7 +216,7 @@ pub fn grouped_gemm_workspace(groups: usize) -> usize {
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm(
     device: i32,
-    stream: CUstream,
+    stream: Stream,
     elem: Elem,
     kind: GemmKind,
     counts: &[u64],
@@ -305,7 +306,7 @@ pub fn grouped_gemm(
     let mut handles = lib.handles.lock();
     let h = lib.handle(&mut handles, device)?;
     // SAFETY: a live handle on the current device; the caller's stream.
-    Cublas::check(unsafe { (lib.set_stream)(h, stream) }, "cublasSetStream")?;
+    Cublas::check(unsafe { (lib.set_stream)(h, stream.0) }, "cublasSetStream")?;
     match lib.grouped.filter(|_| !force_loop) {
         Some(grouped) => {
             let g = problems.len();

@@ -10,6 +10,7 @@ use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
 use super::{LibrarySpec, Loaded, load};
+use crate::comm::Stream;
 use crate::error::{Error, ErrorKind, Result};
 
 pub type CUresult = c_int;
@@ -226,13 +227,14 @@ impl Driver {
     ///
     /// # Safety
     /// `params` point to values of exactly the kernel's parameter types, in order.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn launch(
         &self,
         f: CUfunction,
         grid: u32,
         block: u32,
         shared_bytes: u32,
-        stream: CUstream,
+        stream: Stream,
         params: &mut [*mut c_void],
         name: &str,
     ) -> Result<()> {
@@ -250,7 +252,7 @@ impl Driver {
                 1,
                 1,
                 shared_bytes,
-                stream,
+                stream.0,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
@@ -259,28 +261,28 @@ impl Driver {
     }
 
     /// Sets `bytes` bytes at `dst` to `value`, ordered on `stream`.
-    pub fn memset(&self, dst: CUdeviceptr, value: u8, bytes: usize, stream: CUstream) -> Result<()> {
+    pub fn memset(&self, dst: CUdeviceptr, value: u8, bytes: usize, stream: Stream) -> Result<()> {
         // SAFETY: the caller's device range.
-        self.check(unsafe { (self.memset_d8_async)(dst, value, bytes, stream) }, "cuMemsetD8Async")
+        self.check(unsafe { (self.memset_d8_async)(dst, value, bytes, stream.0) }, "cuMemsetD8Async")
     }
 
     /// Copies device memory to `dst` after the work already on `stream`, and waits for it.
-    pub fn read_back(&self, dst: &mut [u8], src: CUdeviceptr, stream: CUstream) -> Result<()> {
+    pub fn read_back(&self, dst: &mut [u8], src: CUdeviceptr, stream: Stream) -> Result<()> {
         // SAFETY: `dst` is a writable host slice; `src` the caller's device range.
         self.check(
-            unsafe { (self.memcpy_dtoh_async)(dst.as_mut_ptr().cast(), src, dst.len(), stream) },
+            unsafe { (self.memcpy_dtoh_async)(dst.as_mut_ptr().cast(), src, dst.len(), stream.0) },
             "cuMemcpyDtoHAsync",
         )?;
         // SAFETY: the caller's stream.
-        self.check(unsafe { (self.stream_synchronize)(stream) }, "cuStreamSynchronize")
+        self.check(unsafe { (self.stream_synchronize)(stream.0) }, "cuStreamSynchronize")
     }
 
     /// Copies host bytes to device memory, ordered on `stream`. The driver stages pageable memory
     /// before returning, so `src` may be dropped afterwards.
-    pub fn write(&self, dst: CUdeviceptr, src: &[u8], stream: CUstream) -> Result<()> {
+    pub fn write(&self, dst: CUdeviceptr, src: &[u8], stream: Stream) -> Result<()> {
         // SAFETY: `src` is a readable host slice; `dst` the caller's device range.
         self.check(
-            unsafe { (self.memcpy_htod_async)(dst, src.as_ptr().cast(), src.len(), stream) },
+            unsafe { (self.memcpy_htod_async)(dst, src.as_ptr().cast(), src.len(), stream.0) },
             "cuMemcpyHtoDAsync",
         )
     }

@@ -14,8 +14,9 @@ use std::ffi::c_void;
 
 use parking_lot::Mutex;
 
-use super::cuda::{CUfunction, CUstream, Driver, driver};
+use super::cuda::{CUfunction, Driver, driver};
 use super::nvrtc::{Output, nvrtc};
+use crate::comm::Stream;
 use crate::error::{Error, ErrorKind, Result};
 use crate::norm::NormType;
 
@@ -82,7 +83,8 @@ pub fn compile_all(arch: u32, output: Output) -> Result<Vec<(&'static str, Vec<u
 }
 
 /// Loaded functions per (device ordinal, source index), as addresses.
-static MODULES: Mutex<Option<HashMap<(i32, usize), Vec<usize>>>> = Mutex::new(None);
+type FunctionTable = HashMap<(i32, usize), Vec<usize>>;
+static MODULES: Mutex<Option<FunctionTable>> = Mutex::new(None);
 
 /// The functions of source `which` on `device`, making the device's context current.
 fn functions(device: i32, which: usize) -> Result<(&'static Driver, Vec<CUfunction>)> {
@@ -119,19 +121,19 @@ fn workspace_error(what: &str, need: usize, got: usize) -> Error {
 }
 
 /// Sets the error flag (the first word of a workspace) to "no error".
-fn clear_flag(drv: &Driver, flag: u64, stream: CUstream) -> Result<()> {
+fn clear_flag(drv: &Driver, flag: u64, stream: Stream) -> Result<()> {
     drv.memset(flag, 0xff, 8, stream)
 }
 
 /// Waits for the stream and returns the smallest reported bad index, if any.
-fn read_flag(drv: &Driver, flag: u64, stream: CUstream) -> Result<Option<u64>> {
+fn read_flag(drv: &Driver, flag: u64, stream: Stream) -> Result<Option<u64>> {
     let mut bytes = [0u8; 8];
     drv.read_back(&mut bytes, flag, stream)?;
     let v = u64::from_ne_bytes(bytes);
     Ok((v != u64::MAX).then_some(v))
 }
 
-fn read_u64s(drv: &Driver, src: u64, n: usize, stream: CUstream) -> Result<Vec<u64>> {
+fn read_u64s(drv: &Driver, src: u64, n: usize, stream: Stream) -> Result<Vec<u64>> {
     let mut bytes = vec![0u8; n * 8];
     drv.read_back(&mut bytes, src, stream)?;
     Ok(bytes.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect())
@@ -160,7 +162,7 @@ pub struct RouteBuffers {
 /// Waits for the stream (the ids are checked, and the counts are needed on the host next).
 pub fn route(
     device: i32,
-    stream: CUstream,
+    stream: Stream,
     tokens: usize,
     top_k: usize,
     num_experts: usize,
@@ -247,7 +249,7 @@ pub struct PermuteBuffers {
 /// Waits for the stream to check the rows.
 pub fn permute(
     device: i32,
-    stream: CUstream,
+    stream: Stream,
     row_bytes: usize,
     src_rows: usize,
     n_rows: usize,
@@ -349,7 +351,7 @@ pub struct UnpermuteBuffers {
 /// the stream to check the permutation.
 pub fn unpermute(
     device: i32,
-    stream: CUstream,
+    stream: Stream,
     elem: Elem,
     tokens: usize,
     top_k: usize,
@@ -467,7 +469,7 @@ pub fn multi_tensor_table(tensors: &[DeviceTensor]) -> Result<(Vec<u64>, usize)>
 #[allow(clippy::too_many_arguments)]
 pub fn power_sum(
     device: i32,
-    stream: CUstream,
+    stream: Stream,
     table: u64,
     n: usize,
     chunks: usize,
@@ -510,7 +512,7 @@ pub fn power_sum(
 }
 
 /// Multiplies every tensor of a device `table` by `coef` in place. Asynchronous.
-pub fn scale(device: i32, stream: CUstream, table: u64, n: usize, chunks: usize, coef: f64) -> Result<()> {
+pub fn scale(device: i32, stream: Stream, table: u64, n: usize, chunks: usize, coef: f64) -> Result<()> {
     let (drv, fns) = functions(device, NORM)?;
     let n64 = n as u64;
     // SAFETY: the parameter list of scale_in_place in norm.cu.

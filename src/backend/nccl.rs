@@ -113,7 +113,7 @@ impl Nccl {
     }
 
     /// Turns an NCCL status into an error with NCCL's text (and the communicator's last error).
-    pub fn check(&self, status: NcclResult, call: &str, comm: NcclComm) -> Result<()> {
+    pub(crate) fn check(&self, status: NcclResult, call: &str, comm: NcclComm) -> Result<()> {
         if status == 0 {
             return Ok(());
         }

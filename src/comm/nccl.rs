@@ -200,11 +200,11 @@ impl Collective for NcclCollective {
         let drv = driver()?;
         drv.use_device(self.device)?;
         let buf = drv.alloc(8)?;
-        let stream = std::ptr::null_mut();
+        let stream = Stream(std::ptr::null_mut()); // the legacy default stream
         drv.write(buf.ptr, &value.to_ne_bytes(), stream)?;
         let at = buf.ptr as *mut c_void;
         // SAFETY: one f64 of device memory, ordered on the legacy default stream.
-        unsafe { self.all_reduce(at, at, 1, DataType::F64, o, Stream(stream))? };
+        unsafe { self.all_reduce(at, at, 1, DataType::F64, o, stream)? };
         let mut bytes = [0u8; 8];
         drv.read_back(&mut bytes, buf.ptr, stream)?;
         Ok(f64::from_ne_bytes(bytes))

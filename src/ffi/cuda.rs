@@ -14,6 +14,7 @@ use super::panic::boundary;
 use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::backend::cublas::{self, GemmBuffers, GemmKind};
 use crate::backend::kernels::{self, DeviceTensor, Elem, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
+use crate::comm::Stream;
 use crate::norm::NormType;
 
 /// fsdpturbo_cuda_grouped_matmul `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
@@ -73,7 +74,7 @@ pub extern "C" fn fsdpturbo_cuda_route(
             workspace: addr(workspace),
             workspace_bytes,
         };
-        Ok(kernels::route(device, stream, tokens, top_k, num_experts, ep_size, &b)?)
+        Ok(kernels::route(device, Stream(stream), tokens, top_k, num_experts, ep_size, &b)?)
     })
 }
 
@@ -108,7 +109,7 @@ pub extern "C" fn fsdpturbo_cuda_permute_rows(
             workspace: addr(workspace),
             workspace_bytes,
         };
-        Ok(kernels::permute(device, stream, row_bytes, src_rows, n_rows, row_divisor, &b)?)
+        Ok(kernels::permute(device, Stream(stream), row_bytes, src_rows, n_rows, row_divisor, &b)?)
     })
 }
 
@@ -147,7 +148,7 @@ pub extern "C" fn fsdpturbo_cuda_unpermute(
             workspace: addr(workspace),
             workspace_bytes,
         };
-        Ok(kernels::unpermute(device, stream, e, tokens, top_k, hidden, &b)?)
+        Ok(kernels::unpermute(device, Stream(stream), e, tokens, top_k, hidden, &b)?)
     })
 }
 
@@ -202,7 +203,7 @@ pub extern "C" fn fsdpturbo_cuda_power_sum(
         let norm = NormType::new(norm_type).map_err(|e| invalid(format!("norm_type: {}", e.message)))?;
         Ok(kernels::power_sum(
             device,
-            stream,
+            Stream(stream),
             addr(table),
             n_tensors,
             chunks,
@@ -225,7 +226,7 @@ pub extern "C" fn fsdpturbo_cuda_scale(
     chunks: usize,
     coef: f64,
 ) -> i32 {
-    boundary(|| Ok(kernels::scale(device, stream, addr(table), n_tensors, chunks, coef)?))
+    boundary(|| Ok(kernels::scale(device, Stream(stream), addr(table), n_tensors, chunks, coef)?))
 }
 
 /// Workspace bytes of fsdpturbo_cuda_grouped_matmul.
@@ -273,7 +274,7 @@ pub extern "C" fn fsdpturbo_cuda_grouped_matmul(
             GemmBuffers { a: addr(a), b: addr(b), c: addr(c), workspace: addr(workspace), workspace_bytes };
         Ok(cublas::grouped_gemm(
             device,
-            stream,
+            Stream(stream),
             e,
             kind,
             counts,
@@ -283,4 +284,10 @@ pub extern "C" fn fsdpturbo_cuda_grouped_matmul(
             use_loop,
         )?)
     })
+}
+
+/// The compute capability of CUDA device `device` as major*10 + minor (90 on an H100/H200).
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_cuda_compute_capability(device: i32, out_cc: *mut u32) -> i32 {
+    boundary(|| write_out(out_cc, "out_cc", crate::backend::cuda::driver()?.compute_capability(device)?))
 }

@@ -145,7 +145,7 @@ at::Tensor grouped_mm_grad_weight_cpu(const at::Tensor& grad_y, const at::Tensor
   return grad_w;
 }
 
-// CUDA and NPU kernels until the device backends land: a clear error, never a host copy.
+// NPU kernels until the device backend lands: a clear error, never a host copy.
 void register_unavailable(torch::Library& m) {
   using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
   m.impl("moe_route", [](const at::Tensor& t, int64_t, int64_t) -> Triple { not_available("moe_route", t.device()); });
@@ -180,7 +180,5 @@ TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
   m.impl("grouped_mm_grad_weight", &fsdpturbo_torch::grouped_mm_grad_weight_cpu);
 }
 
-
-TORCH_LIBRARY_IMPL(fsdpturbo, CUDA, m) { fsdpturbo_torch::register_unavailable(m); }
 
 TORCH_LIBRARY_IMPL(fsdpturbo, PrivateUse1, m) { fsdpturbo_torch::register_unavailable(m); }

@@ -35,6 +35,8 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90() {
             if *name == "permute" {
                 assert!(text.contains("ld.global.nc.v4"), "permute_rows_v16 must use 16-byte loads");
             }
+            // Per-thread arrays (the unpermute's accumulators) stay in registers.
+            assert!(!text.contains(".local"), "{name} for sm_{arch} uses local memory");
         }
     }
 }

@@ -71,6 +71,7 @@ __device__ double chunk_sum(const Segment& s, u64 begin, u64 end, int kind, doub
     const float* x = reinterpret_cast<const float*>(s.ptr);
     if ((s.ptr & 15) == 0) {
       u64 vec_end = begin + (end - begin) / 4 * 4;
+#pragma unroll 4
       for (u64 i = begin + 4 * threadIdx.x; i < vec_end; i += 4 * blockDim.x) {
         float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
         acc += term<A>(v.x, kind, p) + term<A>(v.y, kind, p) + term<A>(v.z, kind, p) + term<A>(v.w, kind, p);
@@ -84,6 +85,7 @@ __device__ double chunk_sum(const Segment& s, u64 begin, u64 end, int kind, doub
   const bool bf = s.dtype == DT_BF16;
   if ((s.ptr & 15) == 0) {
     u64 vec_end = begin + (end - begin) / 8 * 8;
+#pragma unroll 4
     for (u64 i = begin + 8 * threadIdx.x; i < vec_end; i += 8 * blockDim.x) {
       uint4 v = __ldg(reinterpret_cast<const uint4*>(x + i));
       unsigned w[4] = {v.x, v.y, v.z, v.w};

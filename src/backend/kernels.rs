@@ -299,7 +299,10 @@ pub fn permute(
     }
     if read_flag(drv, b.workspace, stream)?.is_some() {
         let rows = read_u64s(drv, b.rows, n_rows, stream)?;
-        crate::route::check_rows(&rows, divisor, src_rows, "rows")?;
+        // The host kernels' names: `permute` for a plain gather, `permute_tokens` otherwise.
+        let name = if divisor == 1 { "rows" } else { "permutation" };
+        crate::route::check_rows(&rows, divisor, src_rows, name)?;
+        return Err(Error::invalid("the CUDA permute reported a bad row the host check accepts"));
     }
     Ok(())
 }

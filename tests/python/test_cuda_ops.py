@@ -188,7 +188,7 @@ def test_power_sum_matches_foreach_norm(p, gen):
     assert abs(float(got) - float(want)) <= 1e-9 * abs(float(want))
     assert torch.equal(got, ops.power_sum(ts, p, True))  # deterministic
     host = ops.power_sum([t.cpu() for t in ts], p, True)
-    assert abs(float(got) - float(host)) <= 1e-12 * abs(float(host)) + (0 if p == math.inf else 1e-300)
+    assert abs(float(got) - float(host)) <= 1e-10 * abs(float(host))  # f64 sums in another order
 
 
 def test_power_sum_propagates_nan_for_the_max_norm(gen):

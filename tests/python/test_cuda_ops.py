@@ -239,3 +239,17 @@ def test_one_rank_nccl_all_reduce_through_our_loader():
         assert torch.equal(recv, send)
     finally:
         c.free()
+
+
+def test_nccl_comm_from_a_gloo_group_id_broadcast(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        c = comm.nccl_comm_for_group()
+        t = torch.full((7,), 3.0, device=DEV, dtype=torch.bfloat16)
+        c.all_reduce(t, 1)  # MAX
+        torch.cuda.synchronize()
+        assert torch.equal(t, torch.full_like(t, 3.0))
+        c.free()
+    finally:
+        dist.destroy_process_group()

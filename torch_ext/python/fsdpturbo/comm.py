@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from ._native import check, lib
 
-__all__ = ["Comm", "host_comm", "single_rank_comm", "nccl_comm", "nccl_version", "nccl_unique_id",
-           "clip_grad_norm_host"]
+__all__ = ["Comm", "host_comm", "single_rank_comm", "nccl_comm", "nccl_comm_for_group", "nccl_version",
+           "nccl_unique_id", "clip_grad_norm_host"]
 
 _c = ctypes
 logger = logging.getLogger(__name__)
@@ -197,6 +197,18 @@ def nccl_comm(unique_id, world_size, rank, device):
     handle = _c.c_void_p()
     check(lib.fsdpturbo_comm_nccl_new(unique_id, world_size, rank, device, _c.byref(handle)))
     return Comm(handle, auto_free=False)
+
+
+def nccl_comm_for_group(group=None, device=None):
+    """An NCCL communicator over the ranks of torch.distributed `group` (default: the world):
+    rank 0 of the group makes the unique id and the group broadcasts it (any backend, gloo
+    too); every rank of the group must call this. `device`: the CUDA ordinal (default: the
+    current device)."""
+    device = torch.cuda.current_device() if device is None else device
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    box = [nccl_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return nccl_comm(box[0], world, rank, device)
 
 
 class _Grad(_c.Structure):

@@ -37,7 +37,7 @@ pub static SOURCES: [KernelSource; 3] = [
     KernelSource {
         name: "route",
         body: include_str!("../../csrc/kernels/route.cu"),
-        functions: &["route_tile_counts", "route_offsets", "route_scatter"],
+        functions: &["route_tile_counts", "route_scan_tiles", "route_starts", "route_scatter"],
     },
     KernelSource {
         name: "permute",
@@ -145,7 +145,8 @@ pub const ROUTE_MAX_EXPERTS: usize = 4096;
 
 /// Workspace bytes of [`route`].
 pub fn route_workspace(tokens: usize, top_k: usize, num_experts: usize) -> usize {
-    8 + tokens.saturating_mul(top_k).div_ceil(ROUTE_TILE).saturating_mul(num_experts).saturating_mul(8)
+    let tiles = tokens.saturating_mul(top_k).div_ceil(ROUTE_TILE);
+    8 + tiles.saturating_add(1).saturating_mul(num_experts).saturating_mul(8)
 }
 
 /// Device pointers of one routing call.
@@ -183,10 +184,11 @@ pub fn route(
     let tiles = slots.div_ceil(ROUTE_TILE) as u64;
     let (slots64, e32, p32) = (slots as u64, num_experts as i32, ep_size as i32);
     let (flag, tile_counts) = (b.workspace, b.workspace + 8);
+    let starts = tile_counts + tiles * num_experts as u64 * 8;
     clear_flag(drv, flag, stream)?;
     let grid =
         u32::try_from(tiles).map_err(|_| Error::invalid(format!("{slots} routing slots are too many")))?;
-    let offsets_block = num_experts.next_multiple_of(32).min(1024) as u32;
+    let starts_block = num_experts.next_multiple_of(32).min(1024) as u32;
     // SAFETY: each parameter list matches its kernel in route.cu; the buffers are the caller's.
     unsafe {
         drv.launch(
@@ -199,20 +201,22 @@ pub fn route(
             "route_tile_counts",
         )?;
         drv.launch(
-            function(&fns, ROUTE, "route_offsets"),
+            function(&fns, ROUTE, "route_scan_tiles"),
+            e32 as u32,
+            ROUTE_TILE as u32,
+            0,
+            stream,
+            &mut [arg(&tile_counts), arg(&tiles), arg(&e32), arg(&b.tokens_per_expert)],
+            "route_scan_tiles",
+        )?;
+        drv.launch(
+            function(&fns, ROUTE, "route_starts"),
             1,
-            offsets_block,
+            starts_block,
             (num_experts * 8) as u32,
             stream,
-            &mut [
-                arg(&tile_counts),
-                arg(&tiles),
-                arg(&e32),
-                arg(&p32),
-                arg(&b.tokens_per_expert),
-                arg(&b.input_splits),
-            ],
-            "route_offsets",
+            &mut [arg(&b.tokens_per_expert), arg(&e32), arg(&p32), arg(&starts), arg(&b.input_splits)],
+            "route_starts",
         )?;
         drv.launch(
             function(&fns, ROUTE, "route_scatter"),
@@ -220,7 +224,14 @@ pub fn route(
             ROUTE_TILE as u32,
             0,
             stream,
-            &mut [arg(&b.expert_ids), arg(&slots64), arg(&e32), arg(&tile_counts), arg(&b.permutation)],
+            &mut [
+                arg(&b.expert_ids),
+                arg(&slots64),
+                arg(&e32),
+                arg(&tile_counts),
+                arg(&starts),
+                arg(&b.permutation),
+            ],
             "route_scatter",
         )?;
     }

@@ -70,3 +70,34 @@ fn the_multi_tensor_table_counts_chunks_per_tensor() {
     let err = multi_tensor_table(&[t(0x1001, 4, Elem::F32)]).unwrap_err();
     assert!(err.message.contains("not aligned to its 4-byte element type"), "{}", err.message);
 }
+
+#[test]
+fn compiled_kernels_are_cached_on_disk_by_source_arch_and_nvrtc_version() {
+    if !library_dirs() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fsdpturbo-kernel-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // SAFETY: this test binary reads the variable only through compile_cached, here.
+    unsafe { std::env::set_var("FSDPTURBO_KERNEL_CACHE", &dir) };
+    let nvrtc = fsdpturbo::backend::nvrtc::nvrtc().unwrap();
+    let source = SOURCES[0].source();
+    let first = nvrtc.compile_cached(&source, "route", 90, Output::Ptx).unwrap();
+    let (major, minor) = nvrtc.version();
+    let files: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("route-") && name.ends_with(&format!("-sm90-nvrtc{major}.{minor}.ptx")),
+        "{name}"
+    );
+    assert_eq!(std::fs::read(&files[0]).unwrap(), first);
+    // A second call reads the file (a marker written there comes back) ...
+    std::fs::write(&files[0], b"cached").unwrap();
+    assert_eq!(nvrtc.compile_cached(&source, "route", 90, Output::Ptx).unwrap(), b"cached");
+    // ... and another architecture or source text is another entry.
+    nvrtc.compile_cached(&source, "route", 80, Output::Ptx).unwrap();
+    nvrtc.compile_cached(&format!("{source}\n// changed\n"), "route", 90, Output::Ptx).unwrap();
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

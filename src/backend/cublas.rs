@@ -211,44 +211,33 @@ pub fn grouped_gemm_workspace(groups: usize) -> usize {
     groups.saturating_mul(24)
 }
 
-/// One of the grouped matmul's GEMMs over groups of `counts[g]` consecutive rows, ordered on
-/// `stream`. `force_loop` uses one cublasGemmEx per group even where the grouped call exists.
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_gemm(
-    device: i32,
-    stream: Stream,
+/// The column-major GEMMs of one grouped-matmul call (row-major operands seen transposed).
+struct Plan {
+    problems: Vec<Problem>,
+    /// Byte ranges of `c` to zero: the weight gradients of empty groups.
+    zero: Vec<(u64, usize)>,
+    /// The `ldc` every problem shares.
+    ldc: c_int,
+}
+
+fn problems(
     elem: Elem,
     kind: GemmKind,
     counts: &[u64],
     in_features: usize,
     out_features: usize,
     buffers: &GemmBuffers,
-    force_loop: bool,
-) -> Result<()> {
-    if in_features == 0 || out_features == 0 {
-        return Err(Error::invalid(format!(
-            "grouped GEMM: in ({in_features}) and out ({out_features}) features must be >= 1"
-        )));
-    }
-    let need = grouped_gemm_workspace(counts.len());
-    if buffers.workspace_bytes < need {
-        return Err(Error::new(
-            ErrorKind::BufferTooSmall,
-            format!("the grouped GEMM workspace has {} bytes; {need} are needed", buffers.workspace_bytes),
-        ));
-    }
-    let drv = driver()?;
-    let lib = cublas()?;
-    drv.use_device(device)?;
+) -> Result<Plan> {
     let size = elem.size() as u64;
     let (inf, outf) = (dim(in_features, "in")?, dim(out_features, "out")?);
     let mut problems = Vec::with_capacity(counts.len());
+    let mut zero = Vec::new();
     let mut row = 0u64;
     for (g, &n) in counts.iter().enumerate() {
         let weight = (g * in_features * out_features) as u64 * size;
         if n == 0 {
             if kind == GemmKind::GradWeight {
-                drv.memset(buffers.c + weight, 0, in_features * out_features * elem.size(), stream)?;
+                zero.push((buffers.c + weight, in_features * out_features * elem.size()));
             }
             continue;
         }
@@ -294,13 +283,49 @@ pub fn grouped_gemm(
         });
         row += n;
     }
-    if problems.is_empty() {
-        return Ok(());
-    }
     let ldc = match kind {
         GemmKind::Forward => outf,
         GemmKind::GradInput | GemmKind::GradWeight => inf,
     };
+    Ok(Plan { problems, zero, ldc })
+}
+
+/// One of the grouped matmul's GEMMs over groups of `counts[g]` consecutive rows, ordered on
+/// `stream`. `force_loop` uses one cublasGemmEx per group even where the grouped call exists.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm(
+    device: i32,
+    stream: Stream,
+    elem: Elem,
+    kind: GemmKind,
+    counts: &[u64],
+    in_features: usize,
+    out_features: usize,
+    buffers: &GemmBuffers,
+    force_loop: bool,
+) -> Result<()> {
+    if in_features == 0 || out_features == 0 {
+        return Err(Error::invalid(format!(
+            "grouped GEMM: in ({in_features}) and out ({out_features}) features must be >= 1"
+        )));
+    }
+    let need = grouped_gemm_workspace(counts.len());
+    if buffers.workspace_bytes < need {
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("the grouped GEMM workspace has {} bytes; {need} are needed", buffers.workspace_bytes),
+        ));
+    }
+    let drv = driver()?;
+    let lib = cublas()?;
+    drv.use_device(device)?;
+    let Plan { problems, zero, ldc } = problems(elem, kind, counts, in_features, out_features, buffers)?;
+    for (at, bytes) in zero {
+        drv.memset(at, 0, bytes, stream)?;
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
     let (data_type, compute) = types(elem);
     let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
     let mut handles = lib.handles.lock();
@@ -396,5 +421,100 @@ pub fn grouped_gemm(
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// cublasGemmEx's definition on host f32 memory: C = op(A) op(B), column-major, beta 0.
+    fn gemm(p: &Problem, ldc: c_int) {
+        let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
+        let at = |base: u64, i: usize| unsafe { *(base as *const f32).add(i) };
+        for j in 0..n {
+            for i in 0..m {
+                let mut acc = 0.0f64;
+                for l in 0..k {
+                    let a = if p.transa == CUBLAS_OP_N {
+                        at(p.a, i + l * p.lda as usize)
+                    } else {
+                        at(p.a, l + i * p.lda as usize)
+                    };
+                    let b = if p.transb == CUBLAS_OP_N {
+                        at(p.b, l + j * p.ldb as usize)
+                    } else {
+                        at(p.b, j + l * p.ldb as usize)
+                    };
+                    acc += a as f64 * b as f64;
+                }
+                unsafe { *(p.c as *mut f32).add(i + j * ldc as usize) = acc as f32 };
+            }
+        }
+    }
+
+    fn run(kind: GemmKind, counts: &[u64], a: &[f32], b: &[f32], c: &mut [f32], inf: usize, outf: usize) {
+        let buffers = GemmBuffers {
+            a: a.as_ptr() as u64,
+            b: b.as_ptr() as u64,
+            c: c.as_mut_ptr() as u64,
+            workspace: 0,
+            workspace_bytes: 0,
+        };
+        let Plan { problems, zero, ldc } = problems(Elem::F32, kind, counts, inf, outf, &buffers).unwrap();
+        for (at, bytes) in zero {
+            unsafe { std::ptr::write_bytes(at as *mut u8, 0, bytes) };
+        }
+        problems.iter().for_each(|p| gemm(p, ldc));
+    }
+
+    /// The column-major problems compute the row-major grouped matmul of route.rs, including empty
+    /// groups (no rows; a zero weight gradient).
+    #[test]
+    fn column_major_problems_are_the_row_major_grouped_matmul() {
+        let (inf, outf, counts) = (5usize, 3usize, [2u64, 0, 3, 1]);
+        let rows = counts.iter().sum::<u64>() as usize;
+        let g = counts.len();
+        let x: Vec<f32> = (0..rows * inf).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        let w: Vec<f32> = (0..g * outf * inf).map(|i| ((i * 5) % 13) as f32 - 6.0).collect();
+        let gy: Vec<f32> = (0..rows * outf).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        let group_of: Vec<usize> =
+            counts.iter().enumerate().flat_map(|(e, &n)| std::iter::repeat_n(e, n as usize)).collect();
+
+        let mut y = vec![f32::NAN; rows * outf];
+        run(GemmKind::Forward, &counts, &x, &w, &mut y, inf, outf);
+        for r in 0..rows {
+            for o in 0..outf {
+                let want: f32 =
+                    (0..inf).map(|i| x[r * inf + i] * w[(group_of[r] * outf + o) * inf + i]).sum();
+                assert_eq!(y[r * outf + o], want, "y[{r}, {o}]");
+            }
+        }
+        let mut gx = vec![f32::NAN; rows * inf];
+        run(GemmKind::GradInput, &counts, &gy, &w, &mut gx, inf, outf);
+        for r in 0..rows {
+            for i in 0..inf {
+                let want: f32 =
+                    (0..outf).map(|o| gy[r * outf + o] * w[(group_of[r] * outf + o) * inf + i]).sum();
+                assert_eq!(gx[r * inf + i], want, "grad_x[{r}, {i}]");
+            }
+        }
+        let mut gw = vec![f32::NAN; g * outf * inf];
+        run(GemmKind::GradWeight, &counts, &gy, &x, &mut gw, inf, outf);
+        for e in 0..g {
+            for o in 0..outf {
+                for i in 0..inf {
+                    let want: f32 = (0..rows)
+                        .filter(|&r| group_of[r] == e)
+                        .map(|r| gy[r * outf + o] * x[r * inf + i])
+                        .sum();
+                    assert_eq!(gw[(e * outf + o) * inf + i], want, "grad_w[{e}, {o}, {i}]");
+                }
+            }
+        }
+        assert!(
+            gw[outf * inf..2 * outf * inf].iter().all(|&v| v == 0.0),
+            "the empty group's gradient is zero"
+        );
     }
 }

@@ -473,11 +473,8 @@ fn gather<T: Copy + Send + Sync>(
     let src_rows = src.len() / hidden;
     let want = rows.len().checked_mul(hidden).ok_or_else(|| invalid("rows × hidden overflows".into()))?;
     check_len("dst", dst.len(), want, &format!("{} rows × hidden {hidden}", rows.len()))?;
+    check_rows(rows, divisor, src_rows, rows_name)?;
     let div = divisor as u64;
-    if let Some((i, &r)) = rows.iter().enumerate().find(|&(_, &r)| r / div >= src_rows as u64) {
-        let what = if divisor == 1 { String::new() } else { format!(" (row {} = {r} / {divisor})", r / div) };
-        return Err(invalid(format!("{rows_name}[{i}] = {r}{what} is outside the {src_rows} rows of `src`")));
-    }
     let threads = if dst.len() >= PARALLEL_MIN_ELEMS { available_threads() } else { 1 };
     let per_chunk = (PARALLEL_MIN_ELEMS / 4 / hidden).max(1);
     for_chunks(dst, per_chunk * hidden, threads, |c, out| {
@@ -487,6 +484,17 @@ fn gather<T: Copy + Send + Sync>(
             row.copy_from_slice(&src[r * hidden..(r + 1) * hidden]);
         }
     });
+    Ok(())
+}
+
+/// Checks that every `rows[i] / divisor` names one of the `src_rows` rows of `src` (the device
+/// kernels report the first bad entry with the same text).
+pub fn check_rows(rows: &[u64], divisor: usize, src_rows: usize, rows_name: &str) -> Result<()> {
+    let div = divisor as u64;
+    if let Some((i, &r)) = rows.iter().enumerate().find(|&(_, &r)| r / div >= src_rows as u64) {
+        let what = if divisor == 1 { String::new() } else { format!(" (row {} = {r} / {divisor})", r / div) };
+        return Err(invalid(format!("{rows_name}[{i}] = {r}{what} is outside the {src_rows} rows of `src`")));
+    }
     Ok(())
 }
 

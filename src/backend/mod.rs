@@ -17,7 +17,12 @@ use crate::error::{Error, ErrorKind, Result};
 
 pub mod acl;
 pub mod aclnn;
+pub mod cublas;
+pub mod cuda;
 pub mod hccl;
+pub mod kernels;
+pub mod nccl;
+pub mod nvrtc;
 
 /// How to find one vendor library.
 pub struct LibrarySpec {

@@ -11,6 +11,8 @@ use std::ffi::c_void;
 use crate::error::{Error, Result};
 
 pub mod hccl;
+pub mod host;
+pub mod nccl;
 
 /// Element types a collective moves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +115,17 @@ pub trait Collective {
         dtype: DataType,
         stream: Stream,
     ) -> Result<()>;
+
+    /// Reduces one f64 that lives in host memory (the grad norm's per-set value) and returns the
+    /// result. Host transports reduce it in place; device transports (NCCL, HCCL) override this
+    /// to stage it through device memory and wait for the result.
+    fn all_reduce_host_f64(&self, value: f64, op: ReduceOp) -> Result<f64> {
+        let mut out = value;
+        let send = (&value as *const f64).cast();
+        // SAFETY: one f64 of host memory each; this default is for host-memory transports.
+        unsafe { self.all_reduce(send, (&mut out as *mut f64).cast(), 1, DataType::F64, op, Stream::HOST)? };
+        Ok(out)
+    }
 }
 
 /// Split sizes of one all-to-all-v, checked once for every transport.

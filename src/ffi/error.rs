@@ -38,6 +38,11 @@ pub(crate) fn set_last_error(message: &str) {
     });
 }
 
+/// The message of the last failure on this thread.
+pub(crate) fn last_error_message() -> String {
+    LAST_ERROR.with(|slot| slot.borrow().clone())
+}
+
 pub(crate) fn clear_last_error() {
     LAST_ERROR.with(|slot| slot.borrow_mut().clear());
 }

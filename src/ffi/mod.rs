@@ -13,7 +13,10 @@ pub mod status;
 pub mod version;
 
 pub mod ascend;
+pub mod backend;
+pub mod comm;
 pub mod config;
+pub mod cuda;
 pub mod norm;
 pub mod ops;
 pub mod pattern;

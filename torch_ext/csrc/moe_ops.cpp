@@ -142,28 +142,6 @@ at::Tensor grouped_mm_grad_weight_cpu(const at::Tensor& grad_y, const at::Tensor
   return grad_w;
 }
 
-// CUDA and NPU kernels until the device backends land: a clear error, never a host copy.
-void register_unavailable(torch::Library& m) {
-  using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-  m.impl("moe_route", [](const at::Tensor& t, int64_t, int64_t) -> Triple { not_available("moe_route", t.device()); });
-  m.impl("moe_receive", [](const at::Tensor& t, int64_t) -> Triple { not_available("moe_receive", t.device()); });
-  m.impl("moe_permute",
-         [](const at::Tensor& t, const at::Tensor&, int64_t) -> at::Tensor { not_available("moe_permute", t.device()); });
-  m.impl("moe_unpermute",
-         [](const at::Tensor& t, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t) -> at::Tensor {
-           not_available("moe_unpermute", t.device());
-         });
-  m.impl("grouped_mm", [](const at::Tensor& t, const at::Tensor&, const at::Tensor&) -> at::Tensor {
-    not_available("grouped_mm", t.device());
-  });
-  m.impl("grouped_mm_grad_input", [](const at::Tensor& t, const at::Tensor&, const at::Tensor&) -> at::Tensor {
-    not_available("grouped_mm_grad_input", t.device());
-  });
-  m.impl("grouped_mm_grad_weight", [](const at::Tensor& t, const at::Tensor&, const at::Tensor&) -> at::Tensor {
-    not_available("grouped_mm_grad_weight", t.device());
-  });
-}
-
 }  // namespace
 }  // namespace fsdpturbo_torch
 
@@ -178,4 +156,3 @@ TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
 }
 
 
-TORCH_LIBRARY_IMPL(fsdpturbo, CUDA, m) { fsdpturbo_torch::register_unavailable(m); }

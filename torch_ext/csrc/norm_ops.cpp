@@ -82,11 +82,6 @@ TORCH_LIBRARY_IMPL(fsdpturbo, Meta, m) {
   m.impl("foreach_scale_", &fsdpturbo_torch::foreach_scale_meta);
 }
 
-TORCH_LIBRARY_IMPL(fsdpturbo, CUDA, m) {
-  m.impl("power_sum", &fsdpturbo_torch::power_sum_device);
-  m.impl("foreach_scale_", &fsdpturbo_torch::foreach_scale_device);
-}
-
 TORCH_LIBRARY_IMPL(fsdpturbo, PrivateUse1, m) {
   m.impl("power_sum", &fsdpturbo_torch::power_sum_device);
   m.impl("foreach_scale_", &fsdpturbo_torch::foreach_scale_device);

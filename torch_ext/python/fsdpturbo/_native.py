@@ -33,6 +33,22 @@ LIB_PATH = _find("FSDPTURBO_LIB", "libfsdpturbo.so", ["target/release"])
 TORCH_LIB_PATH = _find("FSDPTURBO_TORCH_LIB", "libfsdpturbo_torch.so", ["build/torch_ext"])
 
 lib = ctypes.CDLL(str(LIB_PATH))
+
+
+def wheel_library_dirs():
+    """The `lib` folders of the installed NVIDIA wheels (`nvidia/*/lib`: NCCL, cuBLAS, NVRTC),
+    which libfsdpturbo searches after its FSDPTURBO_*_PATH variables."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    roots = [pathlib.Path(p) for p in getattr(nvidia, "__path__", [])]
+    return sorted({str(d) for root in roots for d in root.glob("*/lib") if d.is_dir()})
+
+
+_dirs = [d.encode() for d in wheel_library_dirs()]
+lib.fsdpturbo_add_library_dirs.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]
+lib.fsdpturbo_add_library_dirs((ctypes.c_char_p * len(_dirs))(*_dirs), len(_dirs))
 torch.ops.load_library(str(TORCH_LIB_PATH))
 ops = torch.ops.fsdpturbo
 from . import moe_ops  # noqa: E402,F401  (autograd and fakes of the MoE ops, once the library is loaded)

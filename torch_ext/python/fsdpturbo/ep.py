@@ -292,8 +292,8 @@ def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gro
 
 def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
-    (`torch.ops.fsdpturbo`: host kernels on CPU, aclnn grouped matmul on Ascend NPUs; on CUDA the
-    ops raise "not available on this device yet" until the CUDA backend lands). When no local expert receives a token it falls
+    (`torch.ops.fsdpturbo`: host kernels on CPU; NVRTC-compiled kernels and cuBLAS /
+    `torch._grouped_mm` on CUDA; aclnn grouped matmul on Ascend NPUs). When no local expert receives a token it falls
     back to the eager expert MLP, as the seed does."""
     from ._native import ops
 

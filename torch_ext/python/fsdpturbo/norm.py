@@ -28,11 +28,12 @@ dims on which it is sharded:
   or inf) leaves the gradients untouched and is returned, or raises with
   `error_if_nonfinite=True` (on every rank: every rank computes the same total).
 
-Kernels. CPU gradients of dtype float32/float64/float16/bfloat16 go through the op library:
-`torch.ops.fsdpturbo.power_sum` (one fused multi-tensor pass per set, f64 accumulation) and
-`torch.ops.fsdpturbo.foreach_scale_` (one fused in-place pass over all local gradients). Those
-ops are CPU-only for now (on CUDA/NPU they raise "not available on this device yet"), so
-gradients on other devices, and CPU gradients of other dtypes, use torch's
+Kernels. CPU and CUDA gradients of dtype float32/float64/float16/bfloat16 go through the op
+library: `torch.ops.fsdpturbo.power_sum` (one fused multi-tensor pass per set and device, f64
+accumulation; on CUDA the NVRTC-compiled kernels of libfsdpturbo) and
+`torch.ops.fsdpturbo.foreach_scale_` (one fused in-place pass over all local gradients of a
+device; the coefficient is read on the host once). Gradients on other devices (NPU until its
+kernels land), and gradients of other dtypes, use torch's
 `torch._foreach_norm` (float32 accumulation, float64 for float64 data) and `torch._foreach_mul_`
 per (device, dtype) group; on those devices nothing synchronises with the host unless
 `error_if_nonfinite=True` (as in torch). The all-reduced scalar lives on the device of the mesh
@@ -173,7 +174,14 @@ def _entries(items, as_grads):
 
 
 def _uses_host_kernels(t):
-    return t.device.type == "cpu" and t.dtype in _HOST_DTYPES and not _FORCE_TORCH_KERNELS
+    return t.device.type in ("cpu", "cuda") and t.dtype in _HOST_DTYPES and not _FORCE_TORCH_KERNELS
+
+
+def _by_device(tensors):
+    groups = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups.values()
 
 
 def _norm_plan(id_lists):
@@ -279,8 +287,8 @@ def _local_value(host, other, p, device, dtype):
     """Σ|x|^p (max |x| for p = inf) over the local tensors, as a 0-dim tensor on `device`: one
     fused host call for the CPU tensors, `_foreach_norm` per (device, dtype) for the others."""
     parts = []
-    if host:
-        parts.append(ops.power_sum(host, p, True))
+    for ts in _by_device(host):
+        parts.append(ops.power_sum(ts, p, True))
     if other:
         groups = {}
         for t in other:
@@ -393,7 +401,8 @@ def clip_grad_norm_(parameters_or_module, max_norm, norm_type=2.0, error_if_nonf
         if math.isfinite(value):
             coef = min(max_norm / (value + 1e-6), 1.0)
             if coef < 1.0:
-                ops.foreach_scale_(plan.host, coef)
+                for ts in _by_device(plan.host):
+                    ops.foreach_scale_(ts, coef)
     if plan.other:
         # No host synchronisation: a non-finite total gives the coefficient 1 (untouched).
         coef = torch.clamp(max_norm / (total.to(torch.float64) + 1e-6), max=1.0)

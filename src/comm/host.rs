@@ -1,0 +1,158 @@
+//! The host-callback transport: the embedder lends its own process group (torch: a c10d group;
+//! a C++ trainer: MPI, gloo, anything) as callbacks over host memory. The C ABI
+//! (`ffi/comm.rs`) wraps C function pointers into these closures; data types and reduce ops
+//! cross it as the codes of [`DataType::code`] and [`ReduceOp::code`].
+
+use std::ffi::c_void;
+
+use super::{AllToAllV, Collective, DataType, ReduceOp, Stream};
+use crate::error::{Error, ErrorKind, Result};
+
+/// `recv = op over ranks of send` (`count` elements; `send` may equal `recv`). Returns 0 on
+/// success, else the embedder's status.
+pub type AllReduceFn =
+    Box<dyn Fn(*const c_void, *mut c_void, usize, DataType, ReduceOp) -> i32 + Send + Sync>;
+/// `recv` (count × world elements) = every rank's `count` elements in rank order.
+pub type AllGatherFn = Box<dyn Fn(*const c_void, *mut c_void, usize, DataType) -> i32 + Send + Sync>;
+/// Rank r receives the reduction of every rank's r-th block of `count` elements.
+pub type ReduceScatterFn =
+    Box<dyn Fn(*const c_void, *mut c_void, usize, DataType, ReduceOp) -> i32 + Send + Sync>;
+/// All-to-all-v over a checked layout.
+pub type AllToAllVFn = Box<dyn Fn(*const c_void, *mut c_void, &AllToAllV, DataType) -> i32 + Send + Sync>;
+
+impl DataType {
+    /// The FSDPTURBO_COMM_* code.
+    pub fn code(self) -> i32 {
+        match self {
+            DataType::U8 => 0,
+            DataType::I32 => 1,
+            DataType::I64 => 2,
+            DataType::F16 => 3,
+            DataType::Bf16 => 4,
+            DataType::F32 => 5,
+            DataType::F64 => 6,
+        }
+    }
+
+    /// The data type of an FSDPTURBO_COMM_* code.
+    pub fn from_code(code: i32) -> Option<DataType> {
+        [
+            DataType::U8,
+            DataType::I32,
+            DataType::I64,
+            DataType::F16,
+            DataType::Bf16,
+            DataType::F32,
+            DataType::F64,
+        ]
+        .into_iter()
+        .find(|d| d.code() == code)
+    }
+}
+
+impl ReduceOp {
+    /// The FSDPTURBO_REDUCE_* code (SUM 0 and MAX 1 as the grad-norm callback has them).
+    pub fn code(self) -> i32 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Max => 1,
+            ReduceOp::Prod => 2,
+            ReduceOp::Min => 3,
+        }
+    }
+
+    /// The op of an FSDPTURBO_REDUCE_* code.
+    pub fn from_code(code: i32) -> Option<ReduceOp> {
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Prod, ReduceOp::Min].into_iter().find(|o| o.code() == code)
+    }
+}
+
+/// A process group lent through callbacks; `all_reduce` is required, the others are optional
+/// (calling a missing one is an error naming it).
+pub struct HostCallbacks {
+    pub rank: usize,
+    pub world_size: usize,
+    pub all_reduce: AllReduceFn,
+    pub all_gather: Option<AllGatherFn>,
+    pub reduce_scatter: Option<ReduceScatterFn>,
+    pub all_to_all_v: Option<AllToAllVFn>,
+}
+
+impl HostCallbacks {
+    fn status(&self, status: i32, what: &str) -> Result<()> {
+        if status == 0 {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("the embedder's {what} callback failed with status {status} on rank {}", self.rank),
+        ))
+    }
+
+    fn missing(&self, what: &str) -> Error {
+        Error::new(ErrorKind::Unavailable, format!("the host collective was made without a {what} callback"))
+    }
+}
+
+impl Collective for HostCallbacks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    unsafe fn all_reduce(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        _stream: Stream,
+    ) -> Result<()> {
+        let s = (self.all_reduce)(send, recv, count, dtype, op);
+        self.status(s, "all_reduce")
+    }
+
+    unsafe fn all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        _stream: Stream,
+    ) -> Result<()> {
+        let f = self.all_gather.as_ref().ok_or_else(|| self.missing("all_gather"))?;
+        let s = f(send, recv, count, dtype);
+        self.status(s, "all_gather")
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        _stream: Stream,
+    ) -> Result<()> {
+        let f = self.reduce_scatter.as_ref().ok_or_else(|| self.missing("reduce_scatter"))?;
+        let s = f(send, recv, count, dtype, op);
+        self.status(s, "reduce_scatter")
+    }
+
+    unsafe fn all_to_all_v(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        layout: &AllToAllV,
+        dtype: DataType,
+        _stream: Stream,
+    ) -> Result<()> {
+        layout.check(self.world_size)?;
+        let f = self.all_to_all_v.as_ref().ok_or_else(|| self.missing("all_to_all_v"))?;
+        let s = f(send, recv, layout, dtype);
+        self.status(s, "all_to_all_v")
+    }
+}

@@ -1,0 +1,384 @@
+//! C ABI of the collectives: communicator handles (one rank, host callbacks, NCCL), their
+//! operations, and the grad norm over them.
+
+use std::cell::RefCell;
+use std::ffi::c_void;
+
+use super::error::FfiError;
+use super::error::last_error_message;
+use super::handle::{arg_ref, arg_slice, check_struct_size, free_handle, into_handle, write_out};
+use super::norm::{
+    FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
+    fsdpturbo_reduce_fn,
+};
+use super::panic::boundary;
+use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
+use crate::backend::nccl as nccl_lib;
+use crate::comm::host::HostCallbacks;
+use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
+use crate::comm::{AllToAllV, Collective, DataType, ReduceOp, SingleRank, Stream};
+
+/// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks).
+pub const FSDPTURBO_COMM_U8: i32 = 0;
+pub const FSDPTURBO_COMM_I32: i32 = 1;
+pub const FSDPTURBO_COMM_I64: i32 = 2;
+pub const FSDPTURBO_COMM_F16: i32 = 3;
+pub const FSDPTURBO_COMM_BF16: i32 = 4;
+pub const FSDPTURBO_COMM_F32: i32 = 5;
+pub const FSDPTURBO_COMM_F64: i32 = 6;
+/// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
+pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
+pub const FSDPTURBO_REDUCE_MIN: i32 = 3;
+/// Bytes of an NCCL unique id.
+pub const FSDPTURBO_NCCL_UNIQUE_ID_BYTES: usize = NCCL_UNIQUE_ID_BYTES;
+
+/// A communicator: one process group's collectives (opaque).
+pub struct fsdpturbo_comm_t {
+    inner: Box<dyn Collective + Send + Sync>,
+}
+
+/// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_COMM_* `dtype`,
+/// `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
+pub type fsdpturbo_host_all_reduce_fn = Option<
+    unsafe extern "C" fn(
+        user: *mut c_void,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: i32,
+        op: i32,
+    ) -> i32,
+>;
+/// Host all-gather: `recv` holds every rank's `count` elements in rank order. Return 0 on success.
+pub type fsdpturbo_host_all_gather_fn = Option<
+    unsafe extern "C" fn(
+        user: *mut c_void,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: i32,
+    ) -> i32,
+>;
+/// Host all-to-all-v: per rank p, `send_counts[p]` elements at `send_displs[p]` go to p and
+/// `recv_counts[p]` elements from p land at `recv_displs[p]` (elements, world_size entries
+/// each). Return 0 on success.
+pub type fsdpturbo_host_all_to_all_v_fn = Option<
+    unsafe extern "C" fn(
+        user: *mut c_void,
+        send: *const c_void,
+        recv: *mut c_void,
+        send_counts: *const usize,
+        send_displs: *const usize,
+        recv_counts: *const usize,
+        recv_displs: *const usize,
+        dtype: i32,
+    ) -> i32,
+>;
+
+/// A process group lent through callbacks over host memory (fsdpturbo_comm_host_new).
+/// `all_reduce` is required; `all_gather`, `reduce_scatter` (same signature as all_reduce: rank r
+/// receives the reduction of every rank's r-th block of `count`) and `all_to_all_v` may be NULL
+/// (calling them is then an error). `user` is passed to every callback.
+#[repr(C)]
+pub struct fsdpturbo_host_collective_t {
+    pub struct_size: usize,
+    pub rank: usize,
+    pub world_size: usize,
+    pub user: *mut c_void,
+    pub all_reduce: fsdpturbo_host_all_reduce_fn,
+    pub all_gather: fsdpturbo_host_all_gather_fn,
+    pub reduce_scatter: fsdpturbo_host_all_reduce_fn,
+    pub all_to_all_v: fsdpturbo_host_all_to_all_v_fn,
+}
+
+const HOST_COLLECTIVE_V1_SIZE: usize = std::mem::size_of::<fsdpturbo_host_collective_t>();
+
+/// Which communicator reduces the grad norm's values over one set of mesh dims.
+#[repr(C)]
+pub struct fsdpturbo_comm_group_t {
+    /// The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
+    pub dims: *const u32,
+    pub n_dims: usize,
+    pub comm: *const fsdpturbo_comm_t,
+}
+
+fn invalid(message: String) -> FfiError {
+    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
+}
+
+fn data_type(code: i32) -> Result<DataType, FfiError> {
+    DataType::from_code(code)
+        .ok_or_else(|| invalid(format!("`dtype` is {code}, not an FSDPTURBO_COMM_* value (U8=0 … F64=6)")))
+}
+
+fn reduce_op(code: i32) -> Result<ReduceOp, FfiError> {
+    ReduceOp::from_code(code).ok_or_else(|| {
+        invalid(format!("`op` is {code}, not an FSDPTURBO_REDUCE_* value (SUM=0, MAX=1, PROD=2, MIN=3)"))
+    })
+}
+
+fn comm_out(
+    out: *mut *mut fsdpturbo_comm_t,
+    inner: Box<dyn Collective + Send + Sync>,
+) -> Result<(), FfiError> {
+    write_out(out, "out_comm", into_handle(fsdpturbo_comm_t { inner }))
+}
+
+/// A communicator of one rank (every collective is a copy).
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_single_new(out_comm: *mut *mut fsdpturbo_comm_t) -> i32 {
+    boundary(|| comm_out(out_comm, Box::new(SingleRank)))
+}
+
+/// A communicator over the embedder's process group, through callbacks (host memory).
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_host_new(
+    callbacks: *const fsdpturbo_host_collective_t,
+    out_comm: *mut *mut fsdpturbo_comm_t,
+) -> i32 {
+    boundary(|| {
+        let c = arg_ref(callbacks, "callbacks")?;
+        check_struct_size(c.struct_size, HOST_COLLECTIVE_V1_SIZE, "fsdpturbo_host_collective_t")?;
+        if c.world_size == 0 || c.rank >= c.world_size {
+            return Err(invalid(format!(
+                "callbacks: rank {} is outside a group of {} ranks",
+                c.rank, c.world_size
+            )));
+        }
+        let all_reduce = c.all_reduce.ok_or_else(|| {
+            FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`callbacks.all_reduce` must not be NULL")
+        })?;
+        // The user pointer travels as an address so that the closures are Send + Sync: the
+        // embedder vouches for using its group from the threads that call the library.
+        let user = c.user as usize;
+        let inner = HostCallbacks {
+            rank: c.rank,
+            world_size: c.world_size,
+            // SAFETY (all four): the embedder's callbacks, called as their contract says.
+            all_reduce: Box::new(move |s, r, n, d, o| unsafe {
+                all_reduce(user as *mut c_void, s, r, n, d.code(), o.code())
+            }),
+            all_gather: c.all_gather.map(|f| {
+                Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: DataType| unsafe {
+                    f(user as *mut c_void, s, r, n, d.code())
+                }) as _
+            }),
+            reduce_scatter: c.reduce_scatter.map(|f| {
+                Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: DataType, o: ReduceOp| unsafe {
+                    f(user as *mut c_void, s, r, n, d.code(), o.code())
+                }) as _
+            }),
+            all_to_all_v: c.all_to_all_v.map(|f| {
+                Box::new(move |s: *const c_void, r: *mut c_void, l: &AllToAllV, d: DataType| unsafe {
+                    f(
+                        user as *mut c_void,
+                        s,
+                        r,
+                        l.send_counts.as_ptr(),
+                        l.send_displs.as_ptr(),
+                        l.recv_counts.as_ptr(),
+                        l.recv_displs.as_ptr(),
+                        d.code(),
+                    )
+                }) as _
+            }),
+        };
+        comm_out(out_comm, Box::new(inner))
+    })
+}
+
+/// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_nccl_version(out_version: *mut i32) -> i32 {
+    boundary(|| write_out(out_version, "out_version", nccl_lib::nccl()?.version()?))
+}
+
+/// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
+/// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_nccl_unique_id(out_id: *mut u8) -> i32 {
+    boundary(|| {
+        if out_id.is_null() {
+            return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "argument `out_id` must not be NULL"));
+        }
+        let id = unique_id()?;
+        // SAFETY: the caller provides FSDPTURBO_NCCL_UNIQUE_ID_BYTES writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(id.as_ptr(), out_id, id.len()) };
+        Ok(())
+    })
+}
+
+/// Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
+/// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made. Blocks until all ranks joined.
+/// Free it with fsdpturbo_comm_free on every rank. Buffers of its collectives are device memory.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_nccl_new(
+    id: *const u8,
+    world_size: usize,
+    rank: usize,
+    device: i32,
+    out_comm: *mut *mut fsdpturbo_comm_t,
+) -> i32 {
+    boundary(|| {
+        let id = arg_slice(id, NCCL_UNIQUE_ID_BYTES, "id")?;
+        let id: [u8; NCCL_UNIQUE_ID_BYTES] = id.try_into().expect("the slice has the id's length");
+        comm_out(out_comm, Box::new(NcclCollective::new(&id, world_size, rank, device)?))
+    })
+}
+
+/// Frees a communicator; NULL is a no-op. For NCCL this destroys the communicator: call it on
+/// every rank.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_free(comm: *mut fsdpturbo_comm_t) {
+    free_handle(comm);
+}
+
+/// This rank and the group size.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_rank(
+    comm: *const fsdpturbo_comm_t,
+    out_rank: *mut usize,
+    out_world_size: *mut usize,
+) -> i32 {
+    boundary(|| {
+        let comm = arg_ref(comm, "comm")?;
+        write_out(out_rank, "out_rank", comm.inner.rank())?;
+        write_out(out_world_size, "out_world_size", comm.inner.world_size())
+    })
+}
+
+/// All-reduce of `count` elements (FSDPTURBO_COMM_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
+/// `send` into `recv` (may be equal), in the communicator's memory (device memory ordered on
+/// `stream` for NCCL; host memory otherwise, where `stream` is ignored).
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_all_reduce(
+    comm: *const fsdpturbo_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: i32,
+    op: i32,
+    stream: *mut c_void,
+) -> i32 {
+    boundary(|| {
+        let comm = arg_ref(comm, "comm")?;
+        let (dtype, op) = (data_type(dtype)?, reduce_op(op)?);
+        if count > 0 && (send.is_null() || recv.is_null()) {
+            return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`send` and `recv` must not be NULL"));
+        }
+        // SAFETY: the caller's buffers of `count` elements, as documented.
+        unsafe { comm.inner.all_reduce(send, recv, count, dtype, op, Stream(stream)) }?;
+        Ok(())
+    })
+}
+
+/// All-to-all-v: rank p gets `send_counts[p]` elements from `send + send_displs[p]` and this
+/// rank receives `recv_counts[p]` elements at `recv + recv_displs[p]` (elements; world_size
+/// entries each; counts must agree pairwise). NCCL skips empty pairs.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_all_to_all_v(
+    comm: *const fsdpturbo_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    send_counts: *const usize,
+    send_displs: *const usize,
+    recv_counts: *const usize,
+    recv_displs: *const usize,
+    dtype: i32,
+    stream: *mut c_void,
+) -> i32 {
+    boundary(|| {
+        let comm = arg_ref(comm, "comm")?;
+        let dtype = data_type(dtype)?;
+        let n = comm.inner.world_size();
+        let layout = AllToAllV {
+            send_counts: arg_slice(send_counts, n, "send_counts")?.to_vec(),
+            send_displs: arg_slice(send_displs, n, "send_displs")?.to_vec(),
+            recv_counts: arg_slice(recv_counts, n, "recv_counts")?.to_vec(),
+            recv_displs: arg_slice(recv_displs, n, "recv_displs")?.to_vec(),
+        };
+        // SAFETY: the caller guarantees the ranges, as documented.
+        unsafe { comm.inner.all_to_all_v(send, recv, &layout, dtype, Stream(stream)) }?;
+        Ok(())
+    })
+}
+
+struct Groups<'a> {
+    entries: Vec<(Vec<u32>, &'a fsdpturbo_comm_t)>,
+    /// Why the last reduction failed, for the caller's error message.
+    failure: RefCell<Option<FfiError>>,
+}
+
+impl Groups<'_> {
+    fn reduce(&self, dims: &[u32], op: i32, value: f64) -> Result<f64, FfiError> {
+        let (_, comm) = self.entries.iter().find(|(d, _)| d.as_slice() == dims).ok_or_else(|| {
+            invalid(format!(
+                "no entry of `groups` has the mesh dims {dims:?}, over which gradients are sharded"
+            ))
+        })?;
+        let op = if op == FSDPTURBO_REDUCE_MAX { ReduceOp::Max } else { ReduceOp::Sum };
+        Ok(comm.inner.all_reduce_host_f64(value, op)?)
+    }
+}
+
+/// The reduce callback of fsdpturbo_clip_grad_norm, served by the communicator whose dims are
+/// the set's (the library passes sets sorted).
+unsafe extern "C" fn reduce_with_groups(
+    user: *mut c_void,
+    _set_index: usize,
+    dims: *const u32,
+    n_dims: usize,
+    op: i32,
+    value: *mut f64,
+) -> i32 {
+    // SAFETY: `user` is the Groups of the enclosing call; dims/value are the library's own.
+    let (groups, dims, value) =
+        unsafe { (&*(user as *const Groups), std::slice::from_raw_parts(dims, n_dims), &mut *value) };
+    match groups.reduce(dims, op, *value) {
+        Ok(v) => {
+            *value = v;
+            0
+        }
+        Err(err) => {
+            let status = err.status;
+            *groups.failure.borrow_mut() = Some(err);
+            status
+        }
+    }
+}
+
+/// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
+/// of mesh dims over which gradients are sharded are reduced by the communicator of the
+/// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
+/// value through device memory). A set without an entry is an error on every rank alike.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_clip_grad_norm_comm(
+    options: *const fsdpturbo_clip_options_t,
+    grads: *const fsdpturbo_grad_t,
+    n_grads: usize,
+    groups: *const fsdpturbo_comm_group_t,
+    n_groups: usize,
+    out_total_norm: *mut f64,
+) -> i32 {
+    boundary(|| {
+        let mut entries = Vec::new();
+        for (i, g) in arg_slice(groups, n_groups, "groups")?.iter().enumerate() {
+            let mut dims = arg_slice(g.dims, g.n_dims, &format!("groups[{i}].dims"))?.to_vec();
+            dims.sort_unstable();
+            dims.dedup();
+            entries.push((dims, arg_ref(g.comm, &format!("groups[{i}].comm"))?));
+        }
+        let groups = Groups { entries, failure: RefCell::new(None) };
+        let reduce: fsdpturbo_reduce_fn = Some(reduce_with_groups);
+        let user = (&groups as *const Groups).cast_mut().cast();
+        let status = fsdpturbo_clip_grad_norm(options, grads, n_grads, reduce, user, out_total_norm);
+        match groups.failure.into_inner() {
+            Some(err) => Err(FfiError::new(
+                err.status,
+                format!("grad norm: {}; no gradient was modified", err.message),
+            )),
+            None if status != 0 => Err(FfiError::new(status, last_error_message())),
+            None => Ok(()),
+        }
+    })
+}

@@ -58,6 +58,44 @@
 
 #define MIN 3
 
+#define ROUTE 0
+
+#define PERMUTE 1
+
+#define NORM 2
+
+// Experts the routing kernels take (their per-block histograms live in shared memory).
+#define ROUTE_MAX_EXPERTS 4096
+
+// Elements per block of the multi-tensor kernels (NORM_CHUNK in norm.cu).
+#define NORM_CHUNK 65536
+
+#define NCCL_UNIQUE_ID_BYTES 128
+
+// `ncclDataType_t` values.
+#define NCCL_UINT8 1
+
+#define NCCL_INT32 2
+
+#define NCCL_INT64 4
+
+#define NCCL_FLOAT16 6
+
+#define NCCL_FLOAT32 7
+
+#define NCCL_FLOAT64 8
+
+#define NCCL_BFLOAT16 9
+
+// `ncclRedOp_t` values.
+#define NCCL_SUM 0
+
+#define NCCL_PROD 1
+
+#define NCCL_MAX 2
+
+#define NCCL_MIN 3
+
 // Element type codes (`int32_t dtype` arguments): float.
 #define FSDPTURBO_DTYPE_F32 0
 
@@ -115,6 +153,29 @@
 // Bytes of an HCCL root info (`HcclRootInfo`).
 #define FSDPTURBO_HCCL_ROOT_INFO_BYTES HCCL_ROOT_INFO_BYTES
 
+// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks).
+#define FSDPTURBO_COMM_U8 0
+
+#define FSDPTURBO_COMM_I32 1
+
+#define FSDPTURBO_COMM_I64 2
+
+#define FSDPTURBO_COMM_F16 3
+
+#define FSDPTURBO_COMM_BF16 4
+
+#define FSDPTURBO_COMM_F32 5
+
+#define FSDPTURBO_COMM_F64 6
+
+// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
+#define FSDPTURBO_REDUCE_PROD 2
+
+#define FSDPTURBO_REDUCE_MIN 3
+
+// Bytes of an NCCL unique id.
+#define FSDPTURBO_NCCL_UNIQUE_ID_BYTES NCCL_UNIQUE_ID_BYTES
+
 // `dist_config.ep_dispatcher: eager` (also when there is no dist_config).
 #define FSDPTURBO_DISPATCHER_EAGER 0
 
@@ -126,6 +187,15 @@
 
 // `dist_config.ep_dispatcher: domino`.
 #define FSDPTURBO_DISPATCHER_DOMINO 3
+
+// fsdpturbo_cuda_grouped_matmul `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
+#define FSDPTURBO_GEMM_FORWARD 0
+
+// grad_x = grad_y_g @ W[g] (a = grad_y, b = W, c = grad_x).
+#define FSDPTURBO_GEMM_GRAD_INPUT 1
+
+// grad_W[g] = grad_y_g^T @ x_g (a = grad_y, b = x, c = grad_W).
+#define FSDPTURBO_GEMM_GRAD_WEIGHT 2
 
 // Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
 #define FSDPTURBO_REDUCE_SUM 0
@@ -187,6 +257,9 @@
 // "expert_cp". It exists only when ep_size > 1.
 #define FSDPTURBO_MESH_EXPERT 2
 
+// A communicator: one process group's collectives (opaque).
+typedef struct fsdpturbo_comm_t fsdpturbo_comm_t;
+
 // A parsed and validated training configuration (opaque). Made by fsdpturbo_config_parse,
 // released with fsdpturbo_config_free.
 typedef struct fsdpturbo_config_t fsdpturbo_config_t;
@@ -224,6 +297,63 @@ typedef struct {
 // failure. Called at most once per launch, between the two aclnn phases.
 typedef void *(*fsdpturbo_npu_alloc_fn)(void *ctx, uint64_t bytes);
 
+// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_COMM_* `dtype`,
+// `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
+typedef int32_t (*fsdpturbo_host_all_reduce_fn)(void *user,
+                                                const void *send,
+                                                void *recv,
+                                                size_t count,
+                                                int32_t dtype,
+                                                int32_t op);
+
+// Host all-gather: `recv` holds every rank's `count` elements in rank order. Return 0 on success.
+typedef int32_t (*fsdpturbo_host_all_gather_fn)(void *user,
+                                                const void *send,
+                                                void *recv,
+                                                size_t count,
+                                                int32_t dtype);
+
+// Host all-to-all-v: per rank p, `send_counts[p]` elements at `send_displs[p]` go to p and
+// `recv_counts[p]` elements from p land at `recv_displs[p]` (elements, world_size entries
+// each). Return 0 on success.
+typedef int32_t (*fsdpturbo_host_all_to_all_v_fn)(void *user,
+                                                  const void *send,
+                                                  void *recv,
+                                                  const size_t *send_counts,
+                                                  const size_t *send_displs,
+                                                  const size_t *recv_counts,
+                                                  const size_t *recv_displs,
+                                                  int32_t dtype);
+
+// A process group lent through callbacks over host memory (fsdpturbo_comm_host_new).
+// `all_reduce` is required; `all_gather`, `reduce_scatter` (same signature as all_reduce: rank r
+// receives the reduction of every rank's r-th block of `count`) and `all_to_all_v` may be NULL
+// (calling them is then an error). `user` is passed to every callback.
+typedef struct {
+  size_t struct_size;
+  size_t rank;
+  size_t world_size;
+  void *user;
+  fsdpturbo_host_all_reduce_fn all_reduce;
+  fsdpturbo_host_all_gather_fn all_gather;
+  fsdpturbo_host_all_reduce_fn reduce_scatter;
+  fsdpturbo_host_all_to_all_v_fn all_to_all_v;
+} fsdpturbo_host_collective_t;
+
+// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
+typedef struct {
+  size_t struct_size;
+  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
+  double max_norm;
+  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
+  double norm_type;
+  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
+  // when the total norm is nan or inf, instead of returning it. Default false.
+  bool error_if_nonfinite;
+  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
+  bool accumulate_f64;
+} fsdpturbo_clip_options_t;
+
 // One gradient of the parameter list shared by all ranks, with its local elements on this
 // rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
 // the entry must still be passed so that every rank issues the same collectives).
@@ -244,19 +374,13 @@ typedef struct {
   size_t n_dims;
 } fsdpturbo_grad_t;
 
-// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
+// Which communicator reduces the grad norm's values over one set of mesh dims.
 typedef struct {
-  size_t struct_size;
-  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
-  double max_norm;
-  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
-  double norm_type;
-  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
-  // when the total norm is nan or inf, instead of returning it. Default false.
-  bool error_if_nonfinite;
-  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
-  bool accumulate_f64;
-} fsdpturbo_clip_options_t;
+  // The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
+  const uint32_t *dims;
+  size_t n_dims;
+  const fsdpturbo_comm_t *comm;
+} fsdpturbo_comm_group_t;
 
 // The embedder's collective: reduce `*value` with `op` (FSDPTURBO_REDUCE_SUM or
 // FSDPTURBO_REDUCE_MAX) over the process group spanned by the `n_dims` mesh-dim ids `dims`
@@ -409,6 +533,88 @@ int32_t fsdpturbo_npu_grouped_matmul_version(uint32_t *out);
 // the op library's switch onto the doubles cannot be thrown in production.
 int32_t fsdpturbo_ascend_test_double_stream(void **out);
 
+// Adds directories searched for every vendor library (NCCL, cuBLAS, NVRTC, the CUDA driver,
+// HCCL, ...) after its FSDPTURBO_*_PATH variable and before the system loader, in order. The
+// Python package passes the `nvidia/*/lib` folders of the installed wheels.
+int32_t fsdpturbo_add_library_dirs(const char *const *dirs, size_t n_dirs);
+
+// Loads NVRTC and writes its version. FSDPTURBO_ERR_UNAVAILABLE (with everything tried) when
+// it is not found.
+int32_t fsdpturbo_nvrtc_version(int32_t *out_major, int32_t *out_minor);
+
+// Compiles every CUDA kernel of the library with NVRTC for compute capability `arch` (e.g. 80,
+// 90): PTX when `cubin` is false, else machine code. Writes the number of kernel sources and
+// their total compiled size. Needs NVRTC only, no GPU; a compile error carries NVRTC's log.
+int32_t fsdpturbo_cuda_compile_kernels(uint32_t arch,
+                                       bool cubin,
+                                       size_t *out_sources,
+                                       size_t *out_bytes);
+
+// A communicator of one rank (every collective is a copy).
+int32_t fsdpturbo_comm_single_new(fsdpturbo_comm_t **out_comm);
+
+// A communicator over the embedder's process group, through callbacks (host memory).
+int32_t fsdpturbo_comm_host_new(const fsdpturbo_host_collective_t *callbacks,
+                                fsdpturbo_comm_t **out_comm);
+
+// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
+int32_t fsdpturbo_nccl_version(int32_t *out_version);
+
+// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
+// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
+int32_t fsdpturbo_nccl_unique_id(uint8_t *out_id);
+
+// Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
+// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made. Blocks until all ranks joined.
+// Free it with fsdpturbo_comm_free on every rank. Buffers of its collectives are device memory.
+int32_t fsdpturbo_comm_nccl_new(const uint8_t *id,
+                                size_t world_size,
+                                size_t rank,
+                                int32_t device,
+                                fsdpturbo_comm_t **out_comm);
+
+// Frees a communicator; NULL is a no-op. For NCCL this destroys the communicator: call it on
+// every rank.
+void fsdpturbo_comm_free(fsdpturbo_comm_t *comm);
+
+// This rank and the group size.
+int32_t fsdpturbo_comm_rank(const fsdpturbo_comm_t *comm, size_t *out_rank, size_t *out_world_size);
+
+// All-reduce of `count` elements (FSDPTURBO_COMM_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
+// `send` into `recv` (may be equal), in the communicator's memory (device memory ordered on
+// `stream` for NCCL; host memory otherwise, where `stream` is ignored).
+int32_t fsdpturbo_comm_all_reduce(const fsdpturbo_comm_t *comm,
+                                  const void *send,
+                                  void *recv,
+                                  size_t count,
+                                  int32_t dtype,
+                                  int32_t op,
+                                  void *stream);
+
+// All-to-all-v: rank p gets `send_counts[p]` elements from `send + send_displs[p]` and this
+// rank receives `recv_counts[p]` elements at `recv + recv_displs[p]` (elements; world_size
+// entries each; counts must agree pairwise). NCCL skips empty pairs.
+int32_t fsdpturbo_comm_all_to_all_v(const fsdpturbo_comm_t *comm,
+                                    const void *send,
+                                    void *recv,
+                                    const size_t *send_counts,
+                                    const size_t *send_displs,
+                                    const size_t *recv_counts,
+                                    const size_t *recv_displs,
+                                    int32_t dtype,
+                                    void *stream);
+
+// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
+// of mesh dims over which gradients are sharded are reduced by the communicator of the
+// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
+// value through device memory). A set without an entry is an error on every rank alike.
+int32_t fsdpturbo_clip_grad_norm_comm(const fsdpturbo_clip_options_t *options,
+                                      const fsdpturbo_grad_t *grads,
+                                      size_t n_grads,
+                                      const fsdpturbo_comm_group_t *groups,
+                                      size_t n_groups,
+                                      double *out_total_norm);
+
 // Parses and validates a training YAML of `len` bytes at `yaml` (need not be NUL-terminated;
 // NULL is accepted when `len` is 0). On success `*out` receives a new handle; on failure
 // `*out` is set to NULL and the status is FSDPTURBO_ERR_CONFIG (also for bytes that are not
@@ -444,6 +650,123 @@ int32_t fsdpturbo_config_efsdp_size(const fsdpturbo_config_t *config, uint64_t *
 // `dist_config.ep_dispatcher` as a FSDPTURBO_DISPATCHER_* constant (EAGER when there is no
 // dist_config).
 int32_t fsdpturbo_config_dispatcher(const fsdpturbo_config_t *config, int32_t *out);
+
+// Workspace bytes of fsdpturbo_cuda_route.
+size_t fsdpturbo_cuda_route_workspace(size_t tokens, size_t top_k, size_t num_experts);
+
+// fsdpturbo_route on the device: int64 `expert_ids [tokens, top_k]`; int64 outputs
+// `tokens_per_expert [num_experts]`, `permutation [tokens*top_k]`, `input_splits [ep_size]`.
+// Ids outside [0, num_experts) are an error with fsdpturbo_route's message. Waits for `stream`.
+int32_t fsdpturbo_cuda_route(int32_t device,
+                             void *stream,
+                             const int64_t *expert_ids,
+                             size_t tokens,
+                             size_t top_k,
+                             size_t num_experts,
+                             size_t ep_size,
+                             int64_t *tokens_per_expert,
+                             int64_t *permutation,
+                             int64_t *input_splits,
+                             void *workspace,
+                             size_t workspace_bytes);
+
+// Row gather on the device: `dst[i, :] = src[rows[i] / row_divisor, :]` for `src [src_rows,
+// hidden]` of FSDPTURBO_DTYPE_* `dtype` and int64 `rows [n_rows]`; 16-byte vector loads where
+// rows and pointers allow. A row outside `src` is an error (fsdpturbo_permute_rows' message).
+// The workspace needs 8 bytes. Waits for `stream`.
+int32_t fsdpturbo_cuda_permute_rows(int32_t device,
+                                    void *stream,
+                                    int32_t dtype,
+                                    const void *src,
+                                    size_t src_rows,
+                                    size_t hidden,
+                                    const int64_t *rows,
+                                    size_t n_rows,
+                                    size_t row_divisor,
+                                    void *dst,
+                                    void *workspace,
+                                    size_t workspace_bytes);
+
+// Workspace bytes of fsdpturbo_cuda_unpermute.
+size_t fsdpturbo_cuda_unpermute_workspace(size_t tokens, size_t top_k);
+
+// fsdpturbo_unpermute on the device: `out [tokens, hidden] = Σ_k probs[t, k] ·
+// permuted[inv(permutation)[t·top_k + k]]` in k order with f32 accumulation (f64 for f64),
+// bit for bit the host kernel's result. `probs` (same dtype, `[tokens, top_k]`) may be NULL
+// (weights 1). A `permutation` that is not one is an error. Waits for `stream`.
+int32_t fsdpturbo_cuda_unpermute(int32_t device,
+                                 void *stream,
+                                 int32_t dtype,
+                                 const void *permuted,
+                                 const int64_t *permutation,
+                                 const void *probs,
+                                 size_t tokens,
+                                 size_t top_k,
+                                 size_t hidden,
+                                 void *out,
+                                 void *workspace,
+                                 size_t workspace_bytes);
+
+// Builds, in host memory, the table the multi-tensor kernels read for `tensors` (device data
+// through `data`, or `mut_data` when `data` is NULL; `numel`, `dtype`; the layout fields are not
+// used). `*out_len` receives the table's length in uint64 words (a short `table` gives
+// FSDPTURBO_ERR_BUFFER_TOO_SMALL, so ask with capacity 0 first) and `*out_chunks` the number of
+// blocks (the length of the power sum's `partials`). Copy the table to the device unchanged.
+int32_t fsdpturbo_cuda_multi_tensor_table(const fsdpturbo_grad_t *tensors,
+                                          size_t n_tensors,
+                                          uint64_t *table,
+                                          size_t capacity,
+                                          size_t *out_len,
+                                          size_t *out_chunks);
+
+// Σ|x|^p (max |x| for `norm_type` = INFINITY) over the tensors of a device table (made by
+// fsdpturbo_cuda_multi_tensor_table) of `n_tensors` tensors and `chunks` blocks, written as
+// one double to device `out`; `partials` (device) holds `chunks` doubles. `accumulate_f64`
+// as for fsdpturbo_local_power_sum. Deterministic; does not wait for `stream`.
+int32_t fsdpturbo_cuda_power_sum(int32_t device,
+                                 void *stream,
+                                 const uint64_t *table,
+                                 size_t n_tensors,
+                                 size_t chunks,
+                                 double norm_type,
+                                 bool accumulate_f64,
+                                 double *partials,
+                                 double *out);
+
+// Multiplies every tensor of a device table by `coef` in place (f64 data in f64, the others in
+// f32 rounded once, as fsdpturbo_scale_in_place). Does not wait for `stream`.
+int32_t fsdpturbo_cuda_scale(int32_t device,
+                             void *stream,
+                             const uint64_t *table,
+                             size_t n_tensors,
+                             size_t chunks,
+                             double coef);
+
+// Workspace bytes of fsdpturbo_cuda_grouped_matmul.
+size_t fsdpturbo_cuda_grouped_matmul_workspace(size_t groups);
+
+// One GEMM of the grouped matmul on cuBLAS (FSDPTURBO_GEMM_* `kind`) over groups of
+// `counts[g]` consecutive rows (`counts` in host memory), `in_features`/`out_features` of the
+// expert weights `[groups, out, in]`, FSDPTURBO_DTYPE_* `dtype` (16-bit types compute in f32).
+// Empty groups give no rows and a zero weight gradient. `use_loop` forces one cublasGemmEx per
+// group (also the fallback where cublasGemmGroupedBatchedEx is missing). Does not wait.
+int32_t fsdpturbo_cuda_grouped_matmul(int32_t device,
+                                      void *stream,
+                                      int32_t dtype,
+                                      int32_t kind,
+                                      const void *a,
+                                      const void *b,
+                                      void *c,
+                                      const uint64_t *counts,
+                                      size_t groups,
+                                      size_t in_features,
+                                      size_t out_features,
+                                      bool use_loop,
+                                      void *workspace,
+                                      size_t workspace_bytes);
+
+// The compute capability of CUDA device `device` as major*10 + minor (90 on an H100/H200).
+int32_t fsdpturbo_cuda_compute_capability(int32_t device, uint32_t *out_cc);
 
 // The reduction plan of a gradient list without computing anything (DESIGN.md section 4.2):
 // which mesh dims each gradient's local p-power sum must be reduced over, grouped into

@@ -16,6 +16,10 @@ command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+# LlamaFactory pins transformers <= 5.8.0: a second copy (with its dependencies) that the ctest
+# entry pytest_transformers_5_8 puts first on PYTHONPATH, to run the engine tests against it too.
+[ -d .venv/transformers-5.8 ] || .venv/bin/pip install -q --disable-pip-version-check \
+  --target .venv/transformers-5.8 transformers==5.8.0
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
 cmake --build build -j2

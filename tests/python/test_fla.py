@@ -123,7 +123,7 @@ def test_arguments_pass_through_and_chunk_size_is_bound(monkeypatch, chunk_size)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
     rec_out, rec_state = get_op("fused_recurrent_gated_delta_rule", "npu")(
-        q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert calls[1][0] == "recurrent" and "chunk_size" not in calls[1][2]
     torch.testing.assert_close(rec_out, ref_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(rec_state, ref_state, rtol=1e-4, atol=1e-5)

@@ -11,4 +11,7 @@ export FSDPTURBO_LIB="$PWD/target/release/libfsdpturbo.so"
 export FSDPTURBO_TORCH_LIB="$PWD/build/torch_ext/libfsdpturbo_torch.so"
 export PYTHONPATH="$PWD/torch_ext/python${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+case " $* " in
+  *" -h "* | *" --help "*) exec .venv/bin/python examples/train.py --help ;;
+esac
 exec .venv/bin/torchrun --standalone --nproc-per-node "${NPROC:-4}" examples/train.py "$@"

@@ -13,6 +13,19 @@
 namespace fsdpturbo_torch {
 
 // Throws a torch error (a Python RuntimeError/ValueError) carrying the library's message.
+// The FSDPTURBO_DTYPE_* code of a floating-point tensor, or op's error naming what is accepted.
+inline int32_t dtype_code(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return FSDPTURBO_DTYPE_F32;
+    case at::kDouble: return FSDPTURBO_DTYPE_F64;
+    case at::kHalf: return FSDPTURBO_DTYPE_F16;
+    case at::kBFloat16: return FSDPTURBO_DTYPE_BF16;
+    default:
+      TORCH_CHECK_VALUE(false, "fsdpturbo::", op, ": expected float32, float64, float16 or bfloat16, got ",
+                        t.scalar_type());
+  }
+}
+
 inline void check(int32_t status, const char* what) {
   if (status == FSDPTURBO_OK) return;
   size_t len = fsdpturbo_last_error(nullptr, 0);

@@ -26,18 +26,6 @@ void* current_stream(const c10::Device& device) {
   return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
 }
 
-int32_t cuda_dtype(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return FSDPTURBO_DTYPE_F32;
-    case at::kDouble: return FSDPTURBO_DTYPE_F64;
-    case at::kHalf: return FSDPTURBO_DTYPE_F16;
-    case at::kBFloat16: return FSDPTURBO_DTYPE_BF16;
-    default:
-      TORCH_CHECK_VALUE(false, "fsdpturbo::", op, ": expected float32, float64, float16 or bfloat16, got ",
-                        t.scalar_type());
-  }
-}
-
 at::Tensor workspace(size_t bytes, const c10::Device& device) {
   return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device));
 }
@@ -87,7 +75,7 @@ at::Tensor moe_permute_cuda(const at::Tensor& hidden, const at::Tensor& rows, in
   auto index = index_on(rows, src.device(), "moe_permute", "rows");
   auto out = at::empty({index.numel(), src.size(1)}, src.options());
   auto ws = workspace(8, src.device());
-  check(fsdpturbo_cuda_permute_rows(src.device().index(), current_stream(src.device()), cuda_dtype(src, "moe_permute"),
+  check(fsdpturbo_cuda_permute_rows(src.device().index(), current_stream(src.device()), dtype_code(src, "moe_permute"),
                                     src.const_data_ptr(), src.size(0), src.size(1), index.const_data_ptr<int64_t>(),
                                     index.numel(), row_divisor, out.mutable_data_ptr(), ws.mutable_data_ptr(),
                                     ws.numel()),
@@ -115,7 +103,7 @@ at::Tensor moe_unpermute_cuda(const at::Tensor& permuted, const at::Tensor& perm
   }
   auto out = at::empty({tokens, src.size(1)}, src.options());
   auto ws = workspace(fsdpturbo_cuda_unpermute_workspace(tokens, top_k), src.device());
-  check(fsdpturbo_cuda_unpermute(src.device().index(), current_stream(src.device()), cuda_dtype(src, "moe_unpermute"),
+  check(fsdpturbo_cuda_unpermute(src.device().index(), current_stream(src.device()), dtype_code(src, "moe_unpermute"),
                                  src.const_data_ptr(), index.const_data_ptr<int64_t>(),
                                  probs ? weights.const_data_ptr() : nullptr, tokens, top_k, src.size(1),
                                  out.mutable_data_ptr(), ws.mutable_data_ptr(), ws.numel()),
@@ -157,7 +145,7 @@ std::vector<uint64_t> host_counts(const at::Tensor& counts) {
 void run_cublas(int32_t kind, const at::Tensor& a, const at::Tensor& b, at::Tensor& c, const std::vector<uint64_t>& counts,
                 int64_t in_features, int64_t out_features, bool loop, const char* op) {
   auto ws = workspace(fsdpturbo_cuda_grouped_matmul_workspace(counts.size()), a.device());
-  check(fsdpturbo_cuda_grouped_matmul(a.device().index(), current_stream(a.device()), cuda_dtype(a, op), kind,
+  check(fsdpturbo_cuda_grouped_matmul(a.device().index(), current_stream(a.device()), dtype_code(a, op), kind,
                                       a.const_data_ptr(), b.const_data_ptr(), c.mutable_data_ptr(), counts.data(),
                                       counts.size(), in_features, out_features, loop, ws.mutable_data_ptr(), ws.numel()),
         op);
@@ -244,7 +232,7 @@ Table table_of(at::TensorList tensors, std::vector<at::Tensor>& keep, const c10:
     list[i] = fsdpturbo_grad_t{};
     list[i].mut_data = keep.back().numel() ? keep.back().data_ptr() : nullptr;
     list[i].numel = keep.back().numel();
-    list[i].dtype = cuda_dtype(keep.back(), op);
+    list[i].dtype = dtype_code(keep.back(), op);
   }
   size_t words = 0, chunks = 0;
   int32_t status = fsdpturbo_cuda_multi_tensor_table(list.data(), list.size(), nullptr, 0, &words, &chunks);

@@ -12,18 +12,6 @@
 namespace fsdpturbo_torch {
 namespace {
 
-int32_t float_code(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return FSDPTURBO_DTYPE_F32;
-    case at::kDouble: return FSDPTURBO_DTYPE_F64;
-    case at::kHalf: return FSDPTURBO_DTYPE_F16;
-    case at::kBFloat16: return FSDPTURBO_DTYPE_BF16;
-    default:
-      TORCH_CHECK_VALUE(false, "fsdpturbo::", op, ": expected float32, float64, float16 or bfloat16, got ",
-                        t.scalar_type());
-  }
-}
-
 // uint64 host indices as the C ABI takes them (int64 tensors hold non-negative values here).
 const uint64_t* u64(const at::Tensor& t) { return reinterpret_cast<const uint64_t*>(t.const_data_ptr<int64_t>()); }
 uint64_t* u64_mut(at::Tensor& t) { return reinterpret_cast<uint64_t*>(t.mutable_data_ptr<int64_t>()); }
@@ -81,7 +69,7 @@ at::Tensor moe_permute_cpu(const at::Tensor& hidden, const at::Tensor& rows, int
   auto src = hidden.contiguous();
   auto index = index_tensor(rows, "moe_permute", "rows");
   auto out = at::empty({index.numel(), src.size(1)}, src.options());
-  check(fsdpturbo_permute_rows(float_code(src, "moe_permute"), src.const_data_ptr(), bytes(src), src.size(1), u64(index),
+  check(fsdpturbo_permute_rows(dtype_code(src, "moe_permute"), src.const_data_ptr(), bytes(src), src.size(1), u64(index),
                                index.numel(), row_divisor, out.mutable_data_ptr(), bytes(out)),
         "fsdpturbo::moe_permute");
   return out;
@@ -99,7 +87,7 @@ at::Tensor moe_unpermute_cpu(const at::Tensor& permuted, const at::Tensor& permu
     weights = probs->to(src.scalar_type()).contiguous();
   }
   auto out = at::empty({tokens, src.size(1)}, src.options());
-  check(fsdpturbo_unpermute(float_code(src, "moe_unpermute"), src.const_data_ptr(), bytes(src), src.size(1), u64(index),
+  check(fsdpturbo_unpermute(dtype_code(src, "moe_unpermute"), src.const_data_ptr(), bytes(src), src.size(1), u64(index),
                             tokens, top_k, probs ? weights.const_data_ptr() : nullptr, probs ? bytes(weights) : 0,
                             out.mutable_data_ptr(), bytes(out)),
         "fsdpturbo::moe_unpermute");
@@ -116,7 +104,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x, const at::Tensor& counts, const a
                     " but weight is ", weight.scalar_type());
   auto a = x.contiguous(), w = weight.contiguous(), c = counts_tensor(counts);
   auto y = at::empty({a.size(0), w.size(1)}, a.options());
-  check(fsdpturbo_grouped_matmul(float_code(a, "grouped_mm"), a.const_data_ptr(), bytes(a), u64(c), c.numel(), w.size(2),
+  check(fsdpturbo_grouped_matmul(dtype_code(a, "grouped_mm"), a.const_data_ptr(), bytes(a), u64(c), c.numel(), w.size(2),
                                  w.size(1), w.const_data_ptr(), bytes(w), y.mutable_data_ptr(), bytes(y)),
         "fsdpturbo::grouped_mm");
   return y;
@@ -125,7 +113,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x, const at::Tensor& counts, const a
 at::Tensor grouped_mm_grad_input_cpu(const at::Tensor& grad_y, const at::Tensor& counts, const at::Tensor& weight) {
   auto g = grad_y.contiguous(), w = weight.contiguous(), c = counts_tensor(counts);
   auto grad_x = at::empty({g.size(0), w.size(2)}, g.options());
-  check(fsdpturbo_grouped_matmul_grad_input(float_code(g, "grouped_mm"), g.const_data_ptr(), bytes(g), u64(c), c.numel(),
+  check(fsdpturbo_grouped_matmul_grad_input(dtype_code(g, "grouped_mm"), g.const_data_ptr(), bytes(g), u64(c), c.numel(),
                                             w.size(2), w.size(1), w.const_data_ptr(), bytes(w),
                                             grad_x.mutable_data_ptr(), bytes(grad_x)),
         "fsdpturbo::grouped_mm_grad_input");
@@ -135,7 +123,7 @@ at::Tensor grouped_mm_grad_input_cpu(const at::Tensor& grad_y, const at::Tensor&
 at::Tensor grouped_mm_grad_weight_cpu(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& counts) {
   auto g = grad_y.contiguous(), a = x.contiguous(), c = counts_tensor(counts);
   auto grad_w = at::empty({c.numel(), g.size(1), a.size(1)}, a.options());
-  check(fsdpturbo_grouped_matmul_grad_weight(float_code(a, "grouped_mm"), g.const_data_ptr(), bytes(g), a.const_data_ptr(),
+  check(fsdpturbo_grouped_matmul_grad_weight(dtype_code(a, "grouped_mm"), g.const_data_ptr(), bytes(g), a.const_data_ptr(),
                                              bytes(a), u64(c), c.numel(), a.size(1), g.size(1),
                                              grad_w.mutable_data_ptr(), bytes(grad_w)),
         "fsdpturbo::grouped_mm_grad_weight");

@@ -10,18 +10,6 @@
 namespace fsdpturbo_torch {
 namespace {
 
-int32_t dtype_code(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return FSDPTURBO_DTYPE_F32;
-    case at::kDouble: return FSDPTURBO_DTYPE_F64;
-    case at::kHalf: return FSDPTURBO_DTYPE_F16;
-    case at::kBFloat16: return FSDPTURBO_DTYPE_BF16;
-    default:
-      TORCH_CHECK_VALUE(false, "fsdpturbo::", op, ": tensors must be float32, float64, float16 or bfloat16, got ",
-                        t.scalar_type());
-  }
-}
-
 // Describes contiguous tensors for the C ABI (`keep` holds contiguous copies where needed).
 std::vector<fsdpturbo_grad_t> describe(at::TensorList tensors, std::vector<at::Tensor>& keep, const char* op) {
   std::vector<fsdpturbo_grad_t> grads(tensors.size());

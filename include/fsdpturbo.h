@@ -25,6 +25,8 @@
 
 #define ACL_FLOAT16 1
 
+#define ACL_INT32 3
+
 #define ACL_INT64 9
 
 #define ACL_DOUBLE 11
@@ -35,6 +37,9 @@
 #define ACL_FORMAT_ND 2
 
 #define HCCL_ROOT_INFO_BYTES 4108
+
+// Bytes `HcclGetCommName` may write, NUL included.
+#define HCCL_COMM_NAME_BYTES 128
 
 #define INT32 2
 
@@ -282,21 +287,6 @@ typedef struct fsdpturbo_plan_t fsdpturbo_plan_t;
 // with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
 
-// A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
-// `offset` elements into `storage`, an allocation of `storage_len` elements.
-typedef struct {
-  void *storage;
-  int64_t storage_len;
-  int64_t offset;
-  size_t ndim;
-  const int64_t *dims;
-  const int64_t *strides;
-} fsdpturbo_npu_view_t;
-
-// Allocates `bytes` of device memory valid for work queued on the launch stream; NULL on
-// failure. Called at most once per launch, between the two aclnn phases.
-typedef void *(*fsdpturbo_npu_alloc_fn)(void *ctx, uint64_t bytes);
-
 // Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_COMM_* `dtype`,
 // `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
 typedef int32_t (*fsdpturbo_host_all_reduce_fn)(void *user,
@@ -393,6 +383,35 @@ typedef int32_t (*fsdpturbo_reduce_fn)(void *user,
                                        size_t n_dims,
                                        int32_t op,
                                        double *value);
+
+// A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
+// `offset` elements into `storage`, an allocation of `storage_len` elements.
+typedef struct {
+  void *storage;
+  int64_t storage_len;
+  int64_t offset;
+  size_t ndim;
+  const int64_t *dims;
+  const int64_t *strides;
+} fsdpturbo_npu_view_t;
+
+// Allocates `bytes` of device memory valid for work queued on the launch stream; NULL on
+// failure. Called at most once per launch, between the two aclnn phases.
+typedef void *(*fsdpturbo_npu_alloc_fn)(void *ctx, uint64_t bytes);
+
+// Where MC2 operators send rows: the HCCL communicator's name (NUL-terminated, e.g. from
+// `fsdpturbo_hccl_comm_name` or torch_npu's `get_hccl_comm_name`), its size, and
+// `counts_len` = e · ep_world_size counts per direction: `send_counts[r·e + j]` rows go to
+// local expert j of rank r, `recv_counts[r·e + j]` rows come from rank r for local expert j.
+// With `trans_weight` the weight is [e, N, K] (rows times its transpose), otherwise [e, K, N].
+typedef struct {
+  const char *group;
+  int64_t ep_world_size;
+  size_t counts_len;
+  const int64_t *send_counts;
+  const int64_t *recv_counts;
+  bool trans_weight;
+} fsdpturbo_npu_exchange_t;
 
 // The placement of a tensor on one mesh dim. `dim` is the tensor dim of SHARD and
 // STRIDED_SHARD (>= 0; normalise negative dims first); `split_factor` (>= 1) is that of
@@ -493,6 +512,10 @@ int32_t fsdpturbo_hccl_comm_new(const uint8_t *root,
                                 uint32_t rank,
                                 fsdpturbo_hccl_comm_t **out);
 
+// Writes the communicator's name (`HcclGetCommName`, NUL-terminated) to `out`, which holds
+// `len` bytes; `len` must be at least 128.
+int32_t fsdpturbo_hccl_comm_name(const fsdpturbo_hccl_comm_t *comm, char *out, size_t len);
+
 // Destroys a communicator; NULL is a no-op.
 void fsdpturbo_hccl_comm_free(fsdpturbo_hccl_comm_t *comm);
 
@@ -508,24 +531,6 @@ int32_t fsdpturbo_hccl_all_to_all_v(const fsdpturbo_hccl_comm_t *comm,
                                     size_t world_size,
                                     int32_t dtype,
                                     void *stream);
-
-// Grouped matmul through aclnn (V5, or V4 where V5 is absent) with per-group counts
-// (`group_list`: int64, one entry per group) on `stream`. `group_type` 0: x [M,K], weight
-// [G,K,N], out [M,N], `split_item` 2; `group_type` 2 (split along K): x [M,K], weight [K,N],
-// out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
-int32_t fsdpturbo_npu_grouped_matmul(int32_t dtype,
-                                     const fsdpturbo_npu_view_t *x,
-                                     const fsdpturbo_npu_view_t *weight,
-                                     const fsdpturbo_npu_view_t *group_list,
-                                     const fsdpturbo_npu_view_t *out,
-                                     int64_t split_item,
-                                     int64_t group_type,
-                                     fsdpturbo_npu_alloc_fn alloc,
-                                     void *alloc_ctx,
-                                     void *stream);
-
-// The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
-int32_t fsdpturbo_npu_grouped_matmul_version(uint32_t *out);
 
 // Test mode only: succeeds only when libascendcl, libhccl, libopapi and libnnopbase are all
 // fsdpturbo's C test doubles (csrc/testing; they export a marker no CANN library has), and
@@ -827,6 +832,73 @@ int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
                                   double norm_type,
                                   bool accumulate_f64,
                                   double *out_value);
+
+// Grouped matmul through aclnn (V5, or V4 where V5 is absent) with per-group counts
+// (`group_list`: int64, one entry per group) on `stream`. `group_type` 0: x [M,K], weight
+// [G,K,N], out [M,N], `split_item` 2; `group_type` 2 (split along K): x [M,K], weight [K,N],
+// out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
+int32_t fsdpturbo_npu_grouped_matmul(int32_t dtype,
+                                     const fsdpturbo_npu_view_t *x,
+                                     const fsdpturbo_npu_view_t *weight,
+                                     const fsdpturbo_npu_view_t *group_list,
+                                     const fsdpturbo_npu_view_t *out,
+                                     int64_t split_item,
+                                     int64_t group_type,
+                                     fsdpturbo_npu_alloc_fn alloc,
+                                     void *alloc_ctx,
+                                     void *stream);
+
+// The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
+int32_t fsdpturbo_npu_grouped_matmul_version(uint32_t *out);
+
+// `aclnnMoeTokenPermute`: `permuted` ([T·K, H]) gets the rows of `tokens` ([T, H]) in the
+// stable order of `indices` (int32, [T, K]; K ≤ 512), and `sorted_indices` (int32, [T·K]) the
+// row of every flat (token, k) slot. `tokens` and `permuted` have `dtype`.
+int32_t fsdpturbo_npu_moe_token_permute(int32_t dtype,
+                                        const fsdpturbo_npu_view_t *tokens,
+                                        const fsdpturbo_npu_view_t *indices,
+                                        const fsdpturbo_npu_view_t *permuted,
+                                        const fsdpturbo_npu_view_t *sorted_indices,
+                                        fsdpturbo_npu_alloc_fn alloc,
+                                        void *alloc_ctx,
+                                        void *stream);
+
+// `aclnnMoeTokenUnpermute`: `out[t] = Σ_k permuted[sorted_indices[t·K + k]] · probs[t, k]`
+// (`probs` [T, K] of `dtype`, or NULL for K = 1). `sorted_indices` is int32.
+int32_t fsdpturbo_npu_moe_token_unpermute(int32_t dtype,
+                                          const fsdpturbo_npu_view_t *permuted,
+                                          const fsdpturbo_npu_view_t *sorted_indices,
+                                          const fsdpturbo_npu_view_t *probs,
+                                          const fsdpturbo_npu_view_t *out,
+                                          fsdpturbo_npu_alloc_fn alloc,
+                                          void *alloc_ctx,
+                                          void *stream);
+
+// `aclnnAlltoAllvGroupedMatMul`: the rows of `x` ([Σ send_counts, K], grouped by destination
+// expert) to their experts' ranks, permuted local-expert-major (also written to `permute_out`,
+// [Σ recv_counts, K], unless NULL), times the weight of their expert: `gmm_y` [Σ recv_counts, N].
+// bfloat16 or float16 (`dtype`); every rank of the communicator calls it.
+int32_t fsdpturbo_npu_alltoallv_grouped_matmul(int32_t dtype,
+                                               const fsdpturbo_npu_view_t *x,
+                                               const fsdpturbo_npu_view_t *weight,
+                                               const fsdpturbo_npu_exchange_t *exchange_spec,
+                                               const fsdpturbo_npu_view_t *gmm_y,
+                                               const fsdpturbo_npu_view_t *permute_out,
+                                               fsdpturbo_npu_alloc_fn alloc,
+                                               void *alloc_ctx,
+                                               void *stream);
+
+// `aclnnGroupedMatMulAlltoAllv`: local-expert-major rows `x` ([Σ send_counts, K]) times their
+// expert's weight, put back in source order and returned to the ranks they came from: `y`
+// [Σ recv_counts, N]. bfloat16 or float16; every rank of the communicator calls it.
+int32_t fsdpturbo_npu_grouped_matmul_alltoallv(int32_t dtype,
+                                               const fsdpturbo_npu_view_t *x,
+                                               const fsdpturbo_npu_view_t *weight,
+                                               const fsdpturbo_npu_exchange_t *exchange_spec,
+                                               const fsdpturbo_npu_view_t *y,
+                                               fsdpturbo_npu_alloc_fn alloc,
+                                               void *alloc_ctx,
+                                               void *stream);
 
 // Registers a new implementation of `op_name` for `device_type` ("cpu", "cuda", "npu", …: a
 // torch device type, without an index) in the process-wide registry. `*out_impl` receives its

@@ -4,68 +4,18 @@
 
 mod ascend_double;
 
-use std::ffi::c_void;
-
-use fsdpturbo::backend::acl::{ACL_FLOAT, ACL_INT64, Acl};
+use ascend_double::{Host, f32_view, live_objects, normalize, stream};
+use fsdpturbo::backend::acl::{ACL_INT64, Acl};
 use fsdpturbo::backend::aclnn::{Aclnn, View};
 use fsdpturbo::backend::hccl::Hccl;
 use fsdpturbo::comm::hccl::{HcclCollective, root_info};
-use fsdpturbo::comm::{AllToAllV, Collective, DataType, ReduceOp, Stream};
+use fsdpturbo::comm::{AllToAllV, Collective, DataType, ReduceOp};
 use fsdpturbo::error::ErrorKind;
 
 fn setup() -> std::sync::MutexGuard<'static, ()> {
     let guard = ascend_double::lock();
     ascend_double::use_doubles(&ascend_double::dir().join("libopapi.so"));
     guard
-}
-
-fn stream() -> Stream {
-    let acl = Acl::get().unwrap();
-    let mut s = std::ptr::null_mut();
-    assert_eq!(unsafe { (acl.create_stream)(&mut s) }, 0);
-    Stream(s)
-}
-
-/// Renumbers the double's object ids (T, L, E, S) in order of first appearance, so expected
-/// logs do not depend on what ran before.
-fn normalize(lines: &[String]) -> Vec<String> {
-    let mut seen: Vec<(char, String)> = Vec::new();
-    lines
-        .iter()
-        .map(|line| {
-            let mut out = String::new();
-            let chars: Vec<char> = line.chars().collect();
-            let mut i = 0;
-            while i < chars.len() {
-                let c = chars[i];
-                let boundary = i == 0 || !chars[i - 1].is_alphanumeric();
-                if "TLES".contains(c) && boundary && i + 1 < chars.len() && chars[i + 1].is_ascii_digit() {
-                    let mut j = i + 1;
-                    while j < chars.len() && chars[j].is_ascii_digit() {
-                        j += 1;
-                    }
-                    let key = (c, chars[i + 1..j].iter().collect::<String>());
-                    if !seen.contains(&key) {
-                        seen.push(key.clone());
-                    }
-                    let n = seen.iter().filter(|(k, _)| *k == c).position(|k| *k == key).unwrap() + 1;
-                    out.push_str(&format!("{c}{n}"));
-                    i = j;
-                } else {
-                    out.push(c);
-                    i += 1;
-                }
-            }
-            out
-        })
-        .collect()
-}
-
-fn live_objects() -> i64 {
-    let lib = unsafe { libloading::Library::new(ascend_double::dir().join("libopapi.so")) }.unwrap();
-    let f: libloading::Symbol<unsafe extern "C" fn() -> i64> =
-        unsafe { lib.get(b"fsdpturbo_double_live_objects") }.unwrap();
-    unsafe { f() }
 }
 
 #[test]
@@ -248,28 +198,6 @@ fn hccl_collectives_among_three_ranks() {
         "{}",
         violations[0]
     );
-}
-
-struct Host {
-    buffers: Vec<Vec<u8>>,
-}
-
-impl Host {
-    fn workspace(&mut self, bytes: u64) -> fsdpturbo::error::Result<*mut c_void> {
-        self.buffers.push(vec![0u8; bytes as usize]);
-        Ok(self.buffers.last_mut().unwrap().as_mut_ptr().cast())
-    }
-}
-
-fn f32_view<'a>(dims: &'a [i64], strides: &'a [i64], offset: i64, data: &'a mut [f32]) -> View<'a> {
-    View {
-        dtype: ACL_FLOAT,
-        dims,
-        strides,
-        offset,
-        storage_len: data.len() as i64,
-        storage: data.as_mut_ptr().cast(),
-    }
 }
 
 #[test]

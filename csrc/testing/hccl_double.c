@@ -38,7 +38,13 @@ typedef struct {
   uint32_t rank, nranks;
   unsigned char *base;
   int id;
+  char name[128]; /* the segment's name: the same on every rank, as HCCL's group names are */
+  pthread_t owner; /* the thread that made it: ranks that are threads of one process share names */
 } Comm;
+
+#define MAX_COMMS 64
+static Comm *comms[MAX_COMMS]; /* this process's live communicators, for lookup by name */
+static pthread_mutex_t comms_lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct {
   uint64_t counts[MAX_RANKS];
@@ -219,6 +225,8 @@ DOUBLE_EXPORT HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInf
   c->nranks = nRanks;
   c->base = base;
   c->id = __atomic_fetch_add(&next_comm, 1, __ATOMIC_SEQ_CST);
+  snprintf(c->name, sizeof c->name, "%s", name + 1);
+  c->owner = pthread_self();
   Header *h = header(c);
   pthread_mutex_lock(&h->mutex);
   int agree = h->nranks == 0 || h->nranks == nRanks;
@@ -231,6 +239,13 @@ DOUBLE_EXPORT HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInf
   HcclResult r = barrier(c);
   if (r != HCCL_SUCCESS) return r;
   if (rank == 0) shm_unlink(name);
+  pthread_mutex_lock(&comms_lock);
+  for (int i = 0; i < MAX_COMMS; ++i)
+    if (!comms[i]) {
+      comms[i] = c;
+      break;
+    }
+  pthread_mutex_unlock(&comms_lock);
   *comm = c;
   double_log("HcclCommInitRootInfo nRanks=%u rank=%u", nRanks, rank);
   return HCCL_SUCCESS;
@@ -243,6 +258,10 @@ DOUBLE_EXPORT HcclResult HcclCommDestroy(HcclComm comm) {
     return HCCL_E_PARA;
   }
   c->magic = 0;
+  pthread_mutex_lock(&comms_lock);
+  for (int i = 0; i < MAX_COMMS; ++i)
+    if (comms[i] == c) comms[i] = NULL;
+  pthread_mutex_unlock(&comms_lock);
   munmap(c->base, SEGMENT_BYTES);
   double_log("HcclCommDestroy rank=%u", c->rank);
   return HCCL_SUCCESS;
@@ -264,6 +283,29 @@ DOUBLE_EXPORT HcclResult HcclGetRankId(HcclComm comm, uint32_t *rank) {
   if (!c || c->magic != COMM_MAGIC || !rank) return HCCL_E_PARA;
   *rank = c->rank;
   return HCCL_SUCCESS;
+}
+
+DOUBLE_EXPORT HcclResult HcclGetCommName(HcclComm comm, char *commName) {
+  Comm *c = (Comm *)comm;
+  if (!c || c->magic != COMM_MAGIC || !commName) {
+    double_violation("HcclGetCommName: comm %p is not a live communicator or commName is NULL", comm);
+    return HCCL_E_PARA;
+  }
+  snprintf(commName, 128, "%s", c->name);
+  double_log("HcclGetCommName rank=%u", c->rank);
+  return HCCL_SUCCESS;
+}
+
+/* For the libopapi double's MC2 operators: this process's communicator called `name` (the one
+ * made by the calling thread when ranks are threads), or NULL. */
+DOUBLE_EXPORT HcclComm fsdpturbo_double_comm_named(const char *name) {
+  Comm *found = NULL;
+  pthread_mutex_lock(&comms_lock);
+  for (int i = 0; i < MAX_COMMS && name; ++i)
+    if (comms[i] && strcmp(comms[i]->name, name) == 0 && (!found || pthread_equal(comms[i]->owner, pthread_self())))
+      found = comms[i];
+  pthread_mutex_unlock(&comms_lock);
+  return found;
 }
 
 /* result[i] = op over ranks r of slot r, element `first + i`. */
@@ -331,18 +373,21 @@ static void format_list(char *out, size_t cap, const uint64_t *v, uint32_t n) {
   if (at < cap) snprintf(out + at, cap - at, "]");
 }
 
-DOUBLE_EXPORT HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCounts, const void *sdispls,
-                                       HcclDataType sendType, const void *recvBuf, const void *recvCounts,
-                                       const void *rdispls, HcclDataType recvType, HcclComm comm, aclrtStream stream) {
+/* The all-to-all-v of HcclAlltoAllV, logged as `what` (the MC2 operators of the libopapi double
+ * move their rows with it too). */
+DOUBLE_EXPORT HcclResult fsdpturbo_double_all_to_all_v(const char *what, const void *sendBuf, const void *sendCounts,
+                                                       const void *sdispls, HcclDataType sendType, const void *recvBuf,
+                                                       const void *recvCounts, const void *rdispls,
+                                                       HcclDataType recvType, HcclComm comm, aclrtStream stream) {
   int sid;
-  Comm *c = checked(comm, stream, "HcclAlltoAllV", &sid);
-  if (!c || checked_type(sendType, 0, "HcclAlltoAllV") != HCCL_SUCCESS) return HCCL_E_PARA;
+  Comm *c = checked(comm, stream, what, &sid);
+  if (!c || checked_type(sendType, 0, what) != HCCL_SUCCESS) return HCCL_E_PARA;
   if (sendType != recvType) {
-    double_violation("HcclAlltoAllV: sendType %d differs from recvType %d", (int)sendType, (int)recvType);
+    double_violation("%s: sendType %d differs from recvType %d", what, (int)sendType, (int)recvType);
     return HCCL_E_PARA;
   }
   if (!sendCounts || !sdispls || !recvCounts || !rdispls) {
-    double_violation("HcclAlltoAllV: counts and displacements must be host uint64_t arrays");
+    double_violation("%s: counts and displacements must be host uint64_t arrays", what);
     return HCCL_E_PTR;
   }
   const uint64_t *sc = (const uint64_t *)sendCounts, *sd = (const uint64_t *)sdispls;
@@ -355,7 +400,7 @@ DOUBLE_EXPORT HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCoun
     mine->displs[p] = sd[p];
     if (sd[p] + sc[p] > extent) extent = sd[p] + sc[p];
   }
-  if (!fits(extent * es, "HcclAlltoAllV")) return HCCL_E_PARA;
+  if (!fits(extent * es, what)) return HCCL_E_PARA;
   if (extent) memcpy(slot(c, c->rank), sendBuf, extent * es);
   HcclResult r = barrier(c);
   if (r != HCCL_SUCCESS) return r;
@@ -363,7 +408,7 @@ DOUBLE_EXPORT HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCoun
   for (uint32_t p = 0; p < c->nranks; ++p) {
     SlotMeta *theirs = meta(c, p);
     if (theirs->counts[c->rank] != rc[p]) {
-      double_violation("HcclAlltoAllV: rank %u sends %lu elements to rank %u, which expects %lu", p,
+      double_violation("%s: rank %u sends %lu elements to rank %u, which expects %lu", what, p,
                        (unsigned long)theirs->counts[c->rank], c->rank, (unsigned long)rc[p]);
       status = HCCL_E_PARA;
       continue;
@@ -376,7 +421,14 @@ DOUBLE_EXPORT HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCoun
   format_list(s2, sizeof s2, sd, c->nranks);
   format_list(s3, sizeof s3, rc, c->nranks);
   format_list(s4, sizeof s4, rd, c->nranks);
-  double_log("HcclAlltoAllV sendCounts=%s sdispls=%s recvCounts=%s rdispls=%s dtype=%d rank=%u stream=S%d", s1, s2,
+  double_log("%s sendCounts=%s sdispls=%s recvCounts=%s rdispls=%s dtype=%d rank=%u stream=S%d", what, s1, s2,
              s3, s4, (int)sendType, c->rank, sid);
   return status != HCCL_SUCCESS ? status : r;
+}
+
+DOUBLE_EXPORT HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCounts, const void *sdispls,
+                                       HcclDataType sendType, const void *recvBuf, const void *recvCounts,
+                                       const void *rdispls, HcclDataType recvType, HcclComm comm, aclrtStream stream) {
+  return fsdpturbo_double_all_to_all_v("HcclAlltoAllV", sendBuf, sendCounts, sdispls, sendType, recvBuf, recvCounts,
+                                       rdispls, recvType, comm, stream);
 }

@@ -1,40 +1,14 @@
-/* Test double of libopapi.so: aclCreateTensor/List and grouped matmul (V4 and V5; built a second
- * time without V5 for the fallback test). Every object is tracked: use after destroy, a tensor
- * destroyed while its list owns it, a list destroyed before the launch that reads it, an
- * executor launched twice or launched with another workspace size or a foreign stream are
- * violations. The launch computes the real result on the (host) buffers. */
+/* Test double of libopapi.so: tensors, lists, int arrays and the two-phase protocol (this file),
+ * grouped matmul V4/V5 (here; built a second time without V5 for the fallback test), MoE token
+ * permute/unpermute (opapi_moe_double.c) and the MC2 operators (opapi_mc2_double.c). Every
+ * object is tracked: use after destroy, a tensor destroyed while its list owns it, an input
+ * destroyed before the launch that reads it, an executor launched twice or with another
+ * workspace size or a foreign stream are violations. Launches compute real results on the
+ * (host) buffers. */
 #include <pthread.h>
-#include <stdint.h>
 #include <string.h>
 
-#include "ascend/aclnn.h"
-#include "double_common.h"
-
-#define MAX_DIMS 8
-#define OBJ_MAGIC 0x4f424a4543542121ull
-
-enum { KIND_TENSOR = 1, KIND_LIST, KIND_EXECUTOR };
-enum { EXEC_CREATED = 0, EXEC_LAUNCHED, EXEC_DESTROYED };
-
-typedef struct Obj Obj;
-struct Obj {
-  uint64_t magic;
-  int kind, id, live;
-  /* tensor */
-  aclDataType dtype;
-  uint64_t ndim;
-  int64_t dims[MAX_DIMS], strides[MAX_DIMS], offset, storage;
-  unsigned char *data;
-  Obj *owner;
-  /* list */
-  uint64_t size;
-  Obj **items;
-  /* executor */
-  int state, version;
-  uint64_t workspace;
-  Obj *x, *weight, *group_list, *out;
-  int64_t group_type;
-};
+#include "opapi_double.h"
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int next_id = 1;
@@ -42,11 +16,11 @@ static int64_t live_objects;
 
 DOUBLE_EXPORT const char *fsdpturbo_test_double_marker(void) { return DOUBLE_MARKER; }
 
-/* Tensors, lists and executors neither destroyed nor consumed by a launch. */
+/* Tensors, lists, int arrays and executors neither destroyed nor consumed by a launch. */
 DOUBLE_EXPORT int64_t fsdpturbo_double_live_objects(void) { return __atomic_load_n(&live_objects, __ATOMIC_SEQ_CST); }
 
 /* Objects are never freed, so a stale pointer is still recognised as destroyed. */
-static Obj *new_obj(int kind) {
+Obj *double_new_obj(int kind) {
   Obj *o = (Obj *)calloc(1, sizeof *o);
   o->magic = OBJ_MAGIC;
   o->kind = kind;
@@ -58,26 +32,28 @@ static Obj *new_obj(int kind) {
   return o;
 }
 
-static void kill_obj(Obj *o) {
+void double_kill_obj(Obj *o) {
   o->live = 0;
   __atomic_sub_fetch(&live_objects, 1, __ATOMIC_SEQ_CST);
 }
 
-static Obj *live(const void *p, int kind, const char *what, const char *arg) {
+static const char KIND_LETTER[] = "?TLEA";
+
+Obj *double_live(const void *p, int kind, const char *what, const char *arg) {
   Obj *o = (Obj *)p;
-  static const char *names[] = {"", "aclTensor", "aclTensorList", "aclOpExecutor"};
+  static const char *names[] = {"", "aclTensor", "aclTensorList", "aclOpExecutor", "aclIntArray"};
   if (!o || o->magic != OBJ_MAGIC || o->kind != kind) {
     double_violation("%s: %s is not an %s made by this library", what, arg, names[kind]);
     return NULL;
   }
   if (!o->live) {
-    double_violation("%s: %s (%c%d) was already destroyed", what, arg, "?TLE"[kind], o->id);
+    double_violation("%s: %s (%c%d) was already destroyed", what, arg, KIND_LETTER[kind], o->id);
     return NULL;
   }
   return o;
 }
 
-static size_t dtype_size(aclDataType t) {
+size_t double_dtype_size(aclDataType t) {
   switch (t) {
     case ACL_FLOAT: case ACL_INT32: case ACL_UINT32: return 4;
     case ACL_FLOAT16: case ACL_BF16: case ACL_INT16: case ACL_UINT16: return 2;
@@ -87,7 +63,7 @@ static size_t dtype_size(aclDataType t) {
   }
 }
 
-static void format_dims(char *out, size_t cap, const int64_t *v, uint64_t n) {
+void double_format_dims(char *out, size_t cap, const int64_t *v, uint64_t n) {
   size_t at = (size_t)snprintf(out, cap, "[");
   for (uint64_t i = 0; i < n && at < cap; ++i) at += (size_t)snprintf(out + at, cap - at, i ? ",%ld" : "%ld", (long)v[i]);
   if (at < cap) snprintf(out + at, cap - at, "]");
@@ -101,7 +77,7 @@ DOUBLE_EXPORT aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewD
     double_violation("%s: %lu view dims (dims and strides must be given)", what, (unsigned long)viewDimsNum);
     return NULL;
   }
-  if (!dtype_size(dataType)) {
+  if (!double_dtype_size(dataType)) {
     double_violation("%s: dataType %d is not an aclDataType", what, (int)dataType);
     return NULL;
   }
@@ -128,7 +104,7 @@ DOUBLE_EXPORT aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewD
                      (long)storageDims[0]);
     return NULL;
   }
-  Obj *t = new_obj(KIND_TENSOR);
+  Obj *t = double_new_obj(KIND_TENSOR);
   t->dtype = dataType;
   t->ndim = viewDimsNum;
   memcpy(t->dims, viewDims, viewDimsNum * sizeof(int64_t));
@@ -137,8 +113,8 @@ DOUBLE_EXPORT aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewD
   t->storage = storageDims[0];
   t->data = (unsigned char *)tensorData;
   char d[160], s[160];
-  format_dims(d, sizeof d, viewDims, viewDimsNum);
-  format_dims(s, sizeof s, stride, viewDimsNum);
+  double_format_dims(d, sizeof d, viewDims, viewDimsNum);
+  double_format_dims(s, sizeof s, stride, viewDimsNum);
   double_log("aclCreateTensor T%d dtype=%d dims=%s strides=%s offset=%ld format=%d storage=[%ld]", t->id,
              (int)dataType, d, s, (long)offset, (int)format, (long)storageDims[0]);
   return (aclTensor *)t;
@@ -153,7 +129,7 @@ DOUBLE_EXPORT aclTensorList *aclCreateTensorList(const aclTensor *const *value, 
   char ids[256];
   size_t at = (size_t)snprintf(ids, sizeof ids, "[");
   for (uint64_t i = 0; i < size; ++i) {
-    Obj *t = live(value[i], KIND_TENSOR, "aclCreateTensorList", "an element");
+    Obj *t = double_live(value[i], KIND_TENSOR, "aclCreateTensorList", "an element");
     if (!t) return NULL;
     if (t->owner) {
       double_violation("aclCreateTensorList: T%d already belongs to L%d", t->id, t->owner->id);
@@ -163,7 +139,7 @@ DOUBLE_EXPORT aclTensorList *aclCreateTensorList(const aclTensor *const *value, 
     at += (size_t)snprintf(ids + at, sizeof ids - at, i ? ",T%d" : "T%d", t->id);
   }
   snprintf(ids + at, sizeof ids - at, "]");
-  Obj *l = new_obj(KIND_LIST);
+  Obj *l = double_new_obj(KIND_LIST);
   l->size = size;
   l->items = items;
   for (uint64_t i = 0; i < size; ++i) items[i]->owner = l;
@@ -171,53 +147,193 @@ DOUBLE_EXPORT aclTensorList *aclCreateTensorList(const aclTensor *const *value, 
   return (aclTensorList *)l;
 }
 
+DOUBLE_EXPORT aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size) {
+  if ((size && !value) || size > MAX_COUNTS) {
+    double_violation("aclCreateIntArray: %lu values at %p (the double holds at most %d)", (unsigned long)size,
+                     (const void *)value, MAX_COUNTS);
+    return NULL;
+  }
+  Obj *a = double_new_obj(KIND_INT_ARRAY);
+  a->size = size;
+  if (size) memcpy(a->values, value, size * sizeof(int64_t));
+  char v[1024];
+  double_format_dims(v, sizeof v, value, size);
+  double_log("aclCreateIntArray A%d %s", a->id, v);
+  return (aclIntArray *)a;
+}
+
 DOUBLE_EXPORT int aclDestroyTensor(const aclTensor *tensor) {
-  Obj *t = live(tensor, KIND_TENSOR, "aclDestroyTensor", "tensor");
+  Obj *t = double_live(tensor, KIND_TENSOR, "aclDestroyTensor", "tensor");
   if (!t) return ACLNN_ERR_PARAM_INVALID;
   if (t->owner) {
     double_violation("aclDestroyTensor: T%d is owned by L%d, which destroys it", t->id, t->owner->id);
     return ACLNN_ERR_PARAM_INVALID;
   }
-  kill_obj(t);
+  double_kill_obj(t);
   double_log("aclDestroyTensor T%d", t->id);
   return 0;
 }
 
 DOUBLE_EXPORT int aclDestroyTensorList(const aclTensorList *list) {
-  Obj *l = live(list, KIND_LIST, "aclDestroyTensorList", "list");
+  Obj *l = double_live(list, KIND_LIST, "aclDestroyTensorList", "list");
   if (!l) return ACLNN_ERR_PARAM_INVALID;
-  for (uint64_t i = 0; i < l->size; ++i) kill_obj(l->items[i]);
-  kill_obj(l);
+  for (uint64_t i = 0; i < l->size; ++i) double_kill_obj(l->items[i]);
+  double_kill_obj(l);
   double_log("aclDestroyTensorList L%d", l->id);
   return 0;
 }
 
-/* Element access through dims/strides/offset, as the device would read the view. */
-static unsigned char *at2(Obj *t, int64_t i, int64_t j) {
-  return t->data + (size_t)(t->offset + i * t->strides[0] + j * t->strides[1]) * dtype_size(t->dtype);
-}
-static unsigned char *at3(Obj *t, int64_t g, int64_t i, int64_t j) {
-  return t->data + (size_t)(t->offset + g * t->strides[0] + i * t->strides[1] + j * t->strides[2]) *
-                       dtype_size(t->dtype);
-}
-static double get(const unsigned char *p, aclDataType t) {
-  if (t == ACL_FLOAT) { float v; memcpy(&v, p, 4); return v; }
-  uint16_t b; memcpy(&b, p, 2); uint32_t u = (uint32_t)b << 16; float v; memcpy(&v, &u, 4); return v;
-}
-static void put(unsigned char *p, aclDataType t, double x) {
-  float f = (float)x;
-  if (t == ACL_FLOAT) { memcpy(p, &f, 4); return; }
-  uint32_t u; memcpy(&u, &f, 4);
-  uint16_t b = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); memcpy(p, &b, 2);
-}
-static int64_t group_count(Obj *g, int64_t e) {
-  int64_t v;
-  memcpy(&v, g->data + (size_t)(g->offset + e * (g->ndim ? g->strides[0] : 0)) * 8, 8);
-  return v;
+DOUBLE_EXPORT int aclDestroyIntArray(const aclIntArray *array) {
+  Obj *a = double_live(array, KIND_INT_ARRAY, "aclDestroyIntArray", "array");
+  if (!a) return ACLNN_ERR_PARAM_INVALID;
+  double_kill_obj(a);
+  double_log("aclDestroyIntArray A%d", a->id);
+  return 0;
 }
 
+/* Element access through dims/strides/offset, as the device would read the view. */
+unsigned char *double_at2(const Obj *t, int64_t i, int64_t j) {
+  return t->data + (size_t)(t->offset + i * t->strides[0] + j * t->strides[1]) * double_dtype_size(t->dtype);
+}
+unsigned char *double_at3(const Obj *t, int64_t g, int64_t i, int64_t j) {
+  return t->data + (size_t)(t->offset + g * t->strides[0] + i * t->strides[1] + j * t->strides[2]) *
+                       double_dtype_size(t->dtype);
+}
+
+static float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man) { /* subnormal: renormalise */
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  } else {
+    u = sign;
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* Round to nearest even; finite test values only (no overflow to infinity handling needed). */
+static uint16_t float_to_half(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  int32_t exp = (int32_t)((u >> 23) & 0xff) - 112;
+  uint32_t man = u & 0x7fffffu;
+  if (exp >= 0x1f) return (uint16_t)(sign | 0x7c00u);
+  if (exp <= 0) {
+    if (exp < -10) return (uint16_t)sign;
+    man |= 0x800000u;
+    uint32_t shift = (uint32_t)(14 - exp), half = 1u << (shift - 1);
+    uint32_t v = man >> shift, rest = man & ((1u << shift) - 1);
+    if (rest > half || (rest == half && (v & 1u))) ++v;
+    return (uint16_t)(sign | v);
+  }
+  uint32_t v = ((uint32_t)exp << 10) | (man >> 13), rest = man & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (v & 1u))) ++v;
+  return (uint16_t)(sign | v);
+}
+
+double double_get(const unsigned char *p, aclDataType t) {
+  if (t == ACL_FLOAT) { float v; memcpy(&v, p, 4); return v; }
+  uint16_t b; memcpy(&b, p, 2);
+  if (t == ACL_FLOAT16) return half_to_float(b);
+  uint32_t u = (uint32_t)b << 16; float v; memcpy(&v, &u, 4); return v;
+}
+
+void double_put(unsigned char *p, aclDataType t, double x) {
+  float f = (float)x;
+  if (t == ACL_FLOAT) { memcpy(p, &f, 4); return; }
+  uint16_t b;
+  if (t == ACL_FLOAT16) {
+    b = float_to_half(f);
+  } else {
+    uint32_t u; memcpy(&u, &f, 4);
+    b = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  memcpy(p, &b, 2);
+}
+
+int64_t double_index(const Obj *t, int64_t i) {
+  const unsigned char *p = t->data + (size_t)(t->offset + i * (t->ndim ? t->strides[0] : 0)) * double_dtype_size(t->dtype);
+  if (t->dtype == ACL_INT32) { int32_t v; memcpy(&v, p, 4); return v; }
+  int64_t v; memcpy(&v, p, 8); return v;
+}
+
+Obj *double_new_executor(const char *what, const char *launch_name, Compute compute, uint64_t workspace,
+                         uint64_t *workspaceSize, aclOpExecutor **executor) {
+  if (!workspaceSize || !executor) {
+    double_violation("%s: workspaceSize and executor out-pointers are required", what);
+    return NULL;
+  }
+  Obj *e = double_new_obj(KIND_EXECUTOR);
+  e->launch_name = launch_name;
+  e->compute = compute;
+  e->workspace = workspace;
+  *workspaceSize = workspace;
+  *executor = (aclOpExecutor *)e;
+  return e;
+}
+
+aclnnStatus double_launch(const char *what, void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                          aclrtStream stream) {
+  Obj *e = (Obj *)executor;
+  if (e && e->magic == OBJ_MAGIC && e->kind == KIND_EXECUTOR && e->state != EXEC_CREATED) {
+    double_violation("%s: E%d was already %s; run GetWorkspaceSize again for every launch", what, e->id,
+                     e->state == EXEC_LAUNCHED ? "launched" : "destroyed");
+    return ACLNN_ERR_PARAM_INVALID;
+  }
+  if (!double_live(executor, KIND_EXECUTOR, what, "executor")) return ACLNN_ERR_PARAM_INVALID;
+  if (strcmp(e->launch_name, what) != 0) {
+    double_violation("%s: E%d came from %sGetWorkspaceSize", what, e->id, e->launch_name);
+    return ACLNN_ERR_PARAM_INVALID;
+  }
+  if (workspaceSize != e->workspace || (workspaceSize && !workspace)) {
+    double_violation("%s: workspace %p of %lu bytes; GetWorkspaceSize asked for %lu", what, workspace,
+                     (unsigned long)workspaceSize, (unsigned long)e->workspace);
+    return ACLNN_ERR_PARAM_INVALID;
+  }
+  int sid = fsdpturbo_double_stream_id(stream);
+  if (sid < 0) {
+    double_violation("%s: the stream was not made by aclrtCreateStream", what);
+    return ACLNN_ERR_PARAM_INVALID;
+  }
+  for (int i = 0; i < 6; ++i)
+    if (e->inputs[i] && !double_live(e->inputs[i], e->inputs[i]->kind, what, "an operand (destroyed before launch)"))
+      return ACLNN_ERR_PARAM_INVALID;
+  if (workspaceSize) memset(workspace, 0xA5, workspaceSize); /* the workspace must be writable device memory */
+  aclnnStatus status = e->compute(e, stream);
+  e->state = EXEC_LAUNCHED;
+  double_kill_obj(e);
+  double_log("%s workspace=%lu E%d stream=S%d", what, (unsigned long)workspaceSize, e->id, sid);
+  return status;
+}
+
+DOUBLE_EXPORT aclnnStatus fsdpturbo_double_destroy_executor(aclOpExecutor *executor) {
+  Obj *e = (Obj *)executor;
+  if (e && e->magic == OBJ_MAGIC && e->kind == KIND_EXECUTOR && e->state != EXEC_CREATED) {
+    double_violation("aclDestroyAclOpExecutor: E%d was already %s", e->id,
+                     e->state == EXEC_LAUNCHED ? "released by its launch" : "destroyed");
+    return ACLNN_ERR_PARAM_INVALID;
+  }
+  if (!double_live(executor, KIND_EXECUTOR, "aclDestroyAclOpExecutor", "executor")) return ACLNN_ERR_PARAM_INVALID;
+  e->state = EXEC_DESTROYED;
+  double_kill_obj(e);
+  double_log("aclDestroyAclOpExecutor E%d", e->id);
+  return 0;
+}
+
+/* ---- grouped matmul (V4, V5) ---- */
+
+enum { GMM_X, GMM_WEIGHT, GMM_OUT, GMM_GROUP_LIST };
+
 static Obj *single(const aclTensorList *list, const char *arg, const char *what) {
-  Obj *l = live(list, KIND_LIST, what, arg);
+  Obj *l = double_live(list, KIND_LIST, what, arg);
   if (!l) return NULL;
   if (l->size != 1) {
     double_violation("%s: %s holds %lu tensors; the double takes exactly one", what, arg, (unsigned long)l->size);
@@ -226,13 +342,42 @@ static Obj *single(const aclTensorList *list, const char *arg, const char *what)
   return l;
 }
 
+static aclnnStatus gmm_compute(Obj *e, aclrtStream stream) {
+  Obj *x = e->inputs[GMM_X]->items[0], *w = e->inputs[GMM_WEIGHT]->items[0], *o = e->inputs[GMM_OUT]->items[0];
+  Obj *g = e->inputs[GMM_GROUP_LIST];
+  aclDataType t = x->dtype;
+  int64_t start = 0;
+  for (int64_t grp = 0; grp < g->dims[0]; ++grp) {
+    int64_t n = double_index(g, grp);
+    if (e->attrs[0] == 0) {
+      for (int64_t i = start; i < start + n; ++i)
+        for (int64_t j = 0; j < w->dims[2]; ++j) {
+          double acc = 0;
+          for (int64_t k = 0; k < x->dims[1]; ++k) acc += double_get(double_at2(x, i, k), t) * double_get(double_at3(w, grp, k, j), t);
+          double_put(double_at2(o, i, j), t, acc);
+        }
+    } else {
+      for (int64_t i = 0; i < x->dims[0]; ++i)
+        for (int64_t j = 0; j < w->dims[1]; ++j) {
+          double acc = 0;
+          for (int64_t k = start; k < start + n; ++k) acc += double_get(double_at2(x, i, k), t) * double_get(double_at2(w, k, j), t);
+          double_put(double_at3(o, grp, i, j), t, acc);
+        }
+    }
+    start += n;
+  }
+  return 0;
+}
+
 static aclnnStatus gmm_workspace(int version, const aclTensorList *x, const aclTensorList *weight,
                                  const void *const optional[9], const aclTensor *groupList, int64_t splitItem,
                                  int64_t groupType, int64_t groupListType, int64_t actType, const void *tuning,
                                  aclTensorList *out, const void *const outs_optional[2], uint64_t *workspaceSize,
                                  aclOpExecutor **executor) {
+  static const char *launch_names[] = {"aclnnGroupedMatmulV4", "aclnnGroupedMatmulV5"};
+  const char *launch_name = launch_names[version - 4];
   char what[64];
-  snprintf(what, sizeof what, "aclnnGroupedMatmulV%dGetWorkspaceSize", version);
+  snprintf(what, sizeof what, "%sGetWorkspaceSize", launch_name);
   for (int i = 0; i < 9; ++i)
     if (optional[i]) {
       double_violation("%s: optional input %d is set; fsdpturbo passes none of them", what, i);
@@ -247,7 +392,7 @@ static aclnnStatus gmm_workspace(int version, const aclTensorList *x, const aclT
     return ACLNN_ERR_PARAM_NULLPTR;
   }
   Obj *xl = single(x, "x", what), *wl = single(weight, "weight", what), *ol = single(out, "out", what);
-  Obj *g = live(groupList, KIND_TENSOR, what, "groupListOptional");
+  Obj *g = double_live(groupList, KIND_TENSOR, what, "groupListOptional");
   if (!xl || !wl || !ol || !g) return ACLNN_ERR_PARAM_INVALID;
   Obj *xt = xl->items[0], *wt = wl->items[0], *ot = ol->items[0];
   if (groupListType != 1 || actType != GMM_ACT_TYPE_NONE) {
@@ -272,7 +417,7 @@ static aclnnStatus gmm_workspace(int version, const aclTensorList *x, const aclT
   }
   int64_t groups = g->dims[0], total = 0;
   for (int64_t e = 0; e < groups; ++e) {
-    int64_t n = group_count(g, e);
+    int64_t n = double_index(g, e);
     if (n < 0) {
       double_violation("%s: group %ld has a negative count", what, (long)e);
       return ACLNN_ERR_PARAM_INVALID;
@@ -292,97 +437,16 @@ static aclnnStatus gmm_workspace(int version, const aclTensorList *x, const aclT
                      (long)total);
     return ACLNN_ERR_PARAM_INVALID;
   }
-  Obj *e = new_obj(KIND_EXECUTOR);
-  e->version = version;
-  e->workspace = 256 + 64 * (uint64_t)groups;
-  e->x = xl;
-  e->weight = wl;
-  e->out = ol;
-  e->group_list = g;
-  e->group_type = groupType;
-  *workspaceSize = e->workspace;
-  *executor = (aclOpExecutor *)e;
+  Obj *e = double_new_executor(what, launch_name, gmm_compute, 256 + 64 * (uint64_t)groups, workspaceSize, executor);
+  e->inputs[GMM_X] = xl;
+  e->inputs[GMM_WEIGHT] = wl;
+  e->inputs[GMM_OUT] = ol;
+  e->inputs[GMM_GROUP_LIST] = g;
+  e->attrs[0] = groupType;
   double_log("%s x=L%d weight=L%d groupList=T%d splitItem=%ld groupType=%ld groupListType=%ld actType=%ld out=L%d "
              "-> workspace=%lu E%d",
              what, xl->id, wl->id, g->id, (long)splitItem, (long)groupType, (long)groupListType, (long)actType, ol->id,
              (unsigned long)e->workspace, e->id);
-  return 0;
-}
-
-static void gmm_compute(Obj *e) {
-  Obj *x = e->x->items[0], *w = e->weight->items[0], *o = e->out->items[0], *g = e->group_list;
-  aclDataType t = x->dtype;
-  int64_t start = 0;
-  for (int64_t grp = 0; grp < g->dims[0]; ++grp) {
-    int64_t n = group_count(g, grp);
-    if (e->group_type == 0) {
-      for (int64_t i = start; i < start + n; ++i)
-        for (int64_t j = 0; j < w->dims[2]; ++j) {
-          double acc = 0;
-          for (int64_t k = 0; k < x->dims[1]; ++k) acc += get(at2(x, i, k), t) * get(at3(w, grp, k, j), t);
-          put(at2(o, i, j), t, acc);
-        }
-    } else {
-      for (int64_t i = 0; i < x->dims[0]; ++i)
-        for (int64_t j = 0; j < w->dims[1]; ++j) {
-          double acc = 0;
-          for (int64_t k = start; k < start + n; ++k) acc += get(at2(x, i, k), t) * get(at2(w, k, j), t);
-          put(at3(o, grp, i, j), t, acc);
-        }
-    }
-    start += n;
-  }
-}
-
-static aclnnStatus gmm_launch(int version, void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
-                              aclrtStream stream) {
-  char what[32];
-  snprintf(what, sizeof what, "aclnnGroupedMatmulV%d", version);
-  Obj *e = (Obj *)executor;
-  if (e && e->magic == OBJ_MAGIC && e->kind == KIND_EXECUTOR && e->state != EXEC_CREATED) {
-    double_violation("%s: E%d was already %s; run GetWorkspaceSize again for every launch", what, e->id,
-                     e->state == EXEC_LAUNCHED ? "launched" : "destroyed");
-    return ACLNN_ERR_PARAM_INVALID;
-  }
-  if (!live(executor, KIND_EXECUTOR, what, "executor")) return ACLNN_ERR_PARAM_INVALID;
-  if (e->version != version) {
-    double_violation("%s: E%d came from aclnnGroupedMatmulV%dGetWorkspaceSize", what, e->id, e->version);
-    return ACLNN_ERR_PARAM_INVALID;
-  }
-  if (workspaceSize != e->workspace || (workspaceSize && !workspace)) {
-    double_violation("%s: workspace %p of %lu bytes; GetWorkspaceSize asked for %lu", what, workspace,
-                     (unsigned long)workspaceSize, (unsigned long)e->workspace);
-    return ACLNN_ERR_PARAM_INVALID;
-  }
-  int sid = fsdpturbo_double_stream_id(stream);
-  if (sid < 0) {
-    double_violation("%s: the stream was not made by aclrtCreateStream", what);
-    return ACLNN_ERR_PARAM_INVALID;
-  }
-  if (!live(e->x, KIND_LIST, what, "x (destroyed before launch)") ||
-      !live(e->weight, KIND_LIST, what, "weight (destroyed before launch)") ||
-      !live(e->out, KIND_LIST, what, "out (destroyed before launch)") ||
-      !live(e->group_list, KIND_TENSOR, what, "groupList (destroyed before launch)"))
-    return ACLNN_ERR_PARAM_INVALID;
-  memset(workspace, 0xA5, workspaceSize); /* the workspace must be writable device memory */
-  gmm_compute(e);
-  e->state = EXEC_LAUNCHED;
-  kill_obj(e);
-  double_log("%s workspace=%lu E%d stream=S%d", what, (unsigned long)workspaceSize, e->id, sid);
-  return 0;
-}
-
-DOUBLE_EXPORT aclnnStatus fsdpturbo_double_destroy_executor(aclOpExecutor *executor) {
-  Obj *e = (Obj *)executor;
-  if (e && e->magic == OBJ_MAGIC && e->kind == KIND_EXECUTOR && e->state != EXEC_CREATED) {
-    double_violation("aclDestroyAclOpExecutor: E%d was already %s", e->id,
-                     e->state == EXEC_LAUNCHED ? "released by its launch" : "destroyed");
-    return ACLNN_ERR_PARAM_INVALID;
-  }
-  if (!live(executor, KIND_EXECUTOR, "aclDestroyAclOpExecutor", "executor")) return ACLNN_ERR_PARAM_INVALID;
-  e->state = EXEC_DESTROYED;
-  kill_obj(e);
-  double_log("aclDestroyAclOpExecutor E%d", e->id);
   return 0;
 }
 
@@ -405,7 +469,7 @@ DOUBLE_EXPORT aclnnStatus aclnnGroupedMatmulV4GetWorkspaceSize(
 
 DOUBLE_EXPORT aclnnStatus aclnnGroupedMatmulV4(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                                aclrtStream stream) {
-  return gmm_launch(4, workspace, workspaceSize, executor, stream);
+  return double_launch("aclnnGroupedMatmulV4", workspace, workspaceSize, executor, stream);
 }
 
 #ifndef FSDPTURBO_DOUBLE_NO_V5
@@ -429,6 +493,6 @@ DOUBLE_EXPORT aclnnStatus aclnnGroupedMatmulV5GetWorkspaceSize(
 
 DOUBLE_EXPORT aclnnStatus aclnnGroupedMatmulV5(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                                aclrtStream stream) {
-  return gmm_launch(5, workspace, workspaceSize, executor, stream);
+  return double_launch("aclnnGroupedMatmulV5", workspace, workspaceSize, executor, stream);
 }
 #endif

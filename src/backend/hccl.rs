@@ -13,6 +13,8 @@ pub type HcclResult = c_int;
 pub type HcclComm = *mut c_void;
 pub const HCCL_SUCCESS: HcclResult = 0;
 pub const HCCL_ROOT_INFO_BYTES: usize = 4108;
+/// Bytes `HcclGetCommName` may write, NUL included.
+pub const HCCL_COMM_NAME_BYTES: usize = 128;
 
 /// `HcclRootInfo`: opaque bytes a root rank makes and every rank receives.
 #[repr(C)]
@@ -71,6 +73,8 @@ pub struct Hccl {
     ) -> HcclResult,
     pub comm_destroy: unsafe extern "C" fn(HcclComm) -> HcclResult,
     pub get_error_string: unsafe extern "C" fn(HcclResult) -> *const c_char,
+    /// `HcclGetCommName` (the name aclnn MC2 operators take); absent from old CANN releases.
+    pub get_comm_name: Option<unsafe extern "C" fn(HcclComm, *mut c_char) -> HcclResult>,
     pub lib: Loaded,
 }
 
@@ -89,6 +93,7 @@ impl Hccl {
                 all_to_all_v: lib.required("HcclAlltoAllV")?,
                 comm_destroy: lib.required("HcclCommDestroy")?,
                 get_error_string: lib.required("HcclGetErrorString")?,
+                get_comm_name: lib.optional("HcclGetCommName"),
                 lib,
             })
         }

@@ -2,11 +2,13 @@
 //! the 4108 bytes sent to every rank by the caller, e.g. a c10d broadcast, then
 //! `HcclCommInitRootInfo` everywhere). Buffers are device memory; work is queued on the stream.
 
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
 
 use super::{AllToAllV, Collective, DataType, ReduceOp, Stream};
-use crate::backend::hccl::{HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce};
-use crate::error::{Error, Result};
+use crate::backend::hccl::{
+    HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce,
+};
+use crate::error::{Error, ErrorKind, Result};
 
 pub struct HcclCollective {
     api: &'static Hccl,
@@ -71,6 +73,22 @@ impl HcclCollective {
         let code = unsafe { (api.comm_init_root_info)(world_size as u32, &info, rank as u32, &mut comm) };
         api.check(code, "HcclCommInitRootInfo")?;
         Ok(HcclCollective { api, comm, rank, world_size })
+    }
+
+    /// The communicator's name (`HcclGetCommName`): what aclnn MC2 operators take as `group`.
+    pub fn name(&self) -> Result<String> {
+        let get = self.api.get_comm_name.ok_or_else(|| {
+            Error::new(
+                ErrorKind::Unavailable,
+                format!("{} has no HcclGetCommName (CANN too old for MC2)", self.api.lib.path().display()),
+            )
+        })?;
+        let mut buf = [0u8; HCCL_COMM_NAME_BYTES];
+        // SAFETY: a live communicator and a buffer of HCCL_COMM_NAME_BYTES bytes.
+        self.api.check(unsafe { get(self.comm, buf.as_mut_ptr().cast()) }, "HcclGetCommName")?;
+        let name = CStr::from_bytes_until_nul(&buf)
+            .map_err(|_| Error::invalid("HcclGetCommName wrote no NUL within 128 bytes"))?;
+        Ok(name.to_string_lossy().into_owned())
     }
 }
 

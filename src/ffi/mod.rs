@@ -18,6 +18,7 @@ pub mod comm;
 pub mod config;
 pub mod cuda;
 pub mod norm;
+pub mod npu;
 pub mod ops;
 pub mod pattern;
 pub mod placement;

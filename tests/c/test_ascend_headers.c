@@ -76,6 +76,23 @@ typedef aclnnStatus (*gmm_v5_t)(const aclTensorList *, const aclTensorList *, co
                                 const aclTensorList *, const aclTensorList *, const aclTensorList *, int64_t, int64_t,
                                 int64_t, int64_t, aclIntArray *, aclTensorList *, aclTensorList *, aclTensorList *,
                                 uint64_t *, aclOpExecutor **);
+typedef aclIntArray *(*create_int_array_t)(const int64_t *, uint64_t);
+typedef int (*destroy_int_array_t)(const aclIntArray *);
+typedef HcclResult (*comm_name_t)(HcclComm, char *);
+/* §6.5 token permute / unpermute. */
+typedef aclnnStatus (*permute_t)(const aclTensor *, const aclTensor *, int64_t, bool, const aclTensor *,
+                                 const aclTensor *, uint64_t *, aclOpExecutor **);
+typedef aclnnStatus (*unpermute_t)(const aclTensor *, const aclTensor *, const aclTensor *, bool, const aclIntArray *,
+                                   aclTensor *, uint64_t *, aclOpExecutor **);
+/* §6.6 MC2. */
+typedef aclnnStatus (*alltoallv_gmm_t)(const aclTensor *, const aclTensor *, const aclTensor *, const aclTensor *,
+                                       const aclTensor *, const aclTensor *, const char *, int64_t,
+                                       const aclIntArray *, const aclIntArray *, bool, bool, bool, aclTensor *,
+                                       aclTensor *, aclTensor *, uint64_t *, aclOpExecutor **);
+typedef aclnnStatus (*gmm_alltoallv_t)(const aclTensor *, const aclTensor *, const aclTensor *, const aclTensor *,
+                                       const aclTensor *, const aclTensor *, const char *, int64_t,
+                                       const aclIntArray *, const aclIntArray *, bool, bool, aclTensor *, aclTensor *,
+                                       uint64_t *, aclOpExecutor **);
 
 int main(void) {
   init_root_info_t init = HcclCommInitRootInfo;
@@ -88,7 +105,18 @@ int main(void) {
   launch_t launches[2] = {aclnnGroupedMatmulV4, aclnnGroupedMatmulV5};
   gmm_v4_t v4 = aclnnGroupedMatmulV4GetWorkspaceSize;
   gmm_v5_t v5 = aclnnGroupedMatmulV5GetWorkspaceSize;
+  create_int_array_t create_int_array = aclCreateIntArray;
+  destroy_int_array_t destroy_int_array = aclDestroyIntArray;
+  comm_name_t comm_name = HcclGetCommName;
+  permute_t permute = aclnnMoeTokenPermuteGetWorkspaceSize;
+  unpermute_t unpermute = aclnnMoeTokenUnpermuteGetWorkspaceSize;
+  alltoallv_gmm_t alltoallv_gmm = aclnnAlltoAllvGroupedMatMulGetWorkspaceSize;
+  gmm_alltoallv_t gmm_alltoallv = aclnnGroupedMatMulAlltoAllvGetWorkspaceSize;
+  launch_t more_launches[4] = {aclnnMoeTokenPermute, aclnnMoeTokenUnpermute, aclnnAlltoAllvGroupedMatMul,
+                               aclnnGroupedMatMulAlltoAllv};
   /* Referenced only, never called: the test links the C test doubles, which define them. */
   return !(init && all_reduce && reduce_scatter && all_gather && all_to_all_v && create_tensor && create_list &&
-           launches[0] && launches[1] && v4 && v5);
+           launches[0] && launches[1] && v4 && v5 && create_int_array && destroy_int_array && comm_name && permute &&
+           unpermute && alltoallv_gmm && gmm_alltoallv && more_launches[0] && more_launches[1] && more_launches[2] &&
+           more_launches[3]);
 }

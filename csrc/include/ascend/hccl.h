@@ -96,6 +96,8 @@ HcclResult HcclCommDestroy(HcclComm comm);
 const char *HcclGetErrorString(HcclResult code);
 HcclResult HcclGetRankSize(HcclComm comm, uint32_t *rankSize);
 HcclResult HcclGetRankId(HcclComm comm, uint32_t *rank);
+/* The communicator's name (what aclnn MC2 operators take as `group`); commName holds 128 bytes. */
+HcclResult HcclGetCommName(HcclComm comm, char *commName);
 
 #ifdef __cplusplus
 }

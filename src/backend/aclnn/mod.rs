@@ -1,5 +1,8 @@
 //! aclnn operators (`libopapi.so` and friends) and the executor destructor (`libnnopbase.so`),
-//! loaded at run time. Signatures from `csrc/include/ascend/aclnn.h` (abi-and-apis.md §6).
+//! loaded at run time. Signatures from `csrc/include/ascend/aclnn.h` (abi-and-apis.md §6). This
+//! module loads the libraries and owns the descriptors and the two-phase protocol; the operators
+//! are in [`grouped_matmul`], [`moe`] (token permute/unpermute) and [`mc2`] (all-to-all-v fused
+//! with grouped matmul).
 //!
 //! Symbols are looked up in op-plugin's order (`GetOpApiFuncAddr`): a custom `libcust_opapi.so`,
 //! the `libopapi_*.so` files under `$ASCEND_HOME_PATH/lib64`, `libopapi.so`, then the feature
@@ -8,9 +11,15 @@
 //! with a new executor for every launch. Tensor descriptors and lists are destroyed after the
 //! launch (a list owns its tensors); an executor that is never launched is destroyed.
 
+mod grouped_matmul;
+pub mod mc2;
+mod moe;
+
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 use std::sync::OnceLock;
+
+pub use grouped_matmul::GroupedMatmul;
 
 use super::acl::{ACL_FORMAT_ND, AclrtStream, ascend_lib_dirs};
 use super::{LibrarySpec, Loaded, load};
@@ -84,79 +93,32 @@ type CreateTensor = unsafe extern "C" fn(
     *mut c_void,
 ) -> Tensor;
 type Launch = unsafe extern "C" fn(*mut c_void, u64, Executor, AclrtStream) -> AclnnStatus;
-type Gmm4 = unsafe extern "C" fn(
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    Tensor,
-    List,
-    List,
-    List,
-    i64,
-    i64,
-    i64,
-    i64,
-    List,
-    List,
-    List,
-    *mut u64,
-    *mut Executor,
-) -> AclnnStatus;
-type Gmm5 = unsafe extern "C" fn(
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    Tensor,
-    List,
-    List,
-    List,
-    i64,
-    i64,
-    i64,
-    i64,
-    *mut c_void,
-    List,
-    List,
-    List,
-    *mut u64,
-    *mut Executor,
-) -> AclnnStatus;
-
-/// The grouped-matmul entry points found: V5 preferred, V4 otherwise (op-plugin's probe).
-#[derive(Clone, Copy)]
-pub enum GroupedMatmul {
-    V5(Gmm5, Launch),
-    V4(Gmm4, Launch),
-}
-
-impl GroupedMatmul {
-    pub fn version(&self) -> u32 {
-        match self {
-            GroupedMatmul::V5(..) => 5,
-            GroupedMatmul::V4(..) => 4,
-        }
-    }
-}
-
+type IntArray = *mut c_void;
 pub struct Aclnn {
     pub create_tensor: CreateTensor,
     pub destroy_tensor: unsafe extern "C" fn(Tensor) -> c_int,
     pub create_tensor_list: unsafe extern "C" fn(*const Tensor, u64) -> List,
     pub destroy_tensor_list: unsafe extern "C" fn(List) -> c_int,
+    pub create_int_array: Option<unsafe extern "C" fn(*const i64, u64) -> IntArray>,
+    pub destroy_int_array: Option<unsafe extern "C" fn(IntArray) -> c_int>,
     pub grouped_matmul: GroupedMatmul,
+    pub token_permute: Option<(moe::Permute, Launch)>,
+    pub token_unpermute: Option<(moe::Unpermute, Launch)>,
+    pub alltoallv_grouped_matmul: Option<(mc2::AlltoAllvGmm, Launch)>,
+    pub grouped_matmul_alltoallv: Option<(mc2::GmmAlltoAllv, Launch)>,
     pub destroy_executor: unsafe extern "C" fn(Executor) -> AclnnStatus,
     /// The libraries searched, in op-plugin's order, then libnnopbase.
     pub libs: Vec<Loaded>,
+}
+
+fn missing_symbol(libs: &[Loaded], symbol: &str) -> Error {
+    Error::new(
+        ErrorKind::Unavailable,
+        format!(
+            "no aclnn library has `{symbol}`; searched {}",
+            libs.iter().map(|l| l.path().display().to_string()).collect::<Vec<_>>().join(", ")
+        ),
+    )
 }
 
 /// `name` from the first library (in search order) that has it.
@@ -195,15 +157,7 @@ impl Aclnn {
             return Err(main_error.expect("libopapi failed when nothing was loaded"));
         }
         let nnopbase = load(&NNOPBASE_SPEC)?;
-        let missing = |symbol: &str| {
-            Error::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "no aclnn library has `{symbol}`; searched {}",
-                    libs.iter().map(|l| l.path().display().to_string()).collect::<Vec<_>>().join(", ")
-                ),
-            )
-        };
+        let missing = |symbol: &str| missing_symbol(&libs, symbol);
         // SAFETY: the types are aclnn.h's (csrc/include/ascend/aclnn.h).
         unsafe {
             let create_tensor = find(&libs, "aclCreateTensor").ok_or_else(|| missing("aclCreateTensor"))?;
@@ -213,25 +167,25 @@ impl Aclnn {
                 find(&libs, "aclCreateTensorList").ok_or_else(|| missing("aclCreateTensorList"))?;
             let destroy_tensor_list =
                 find(&libs, "aclDestroyTensorList").ok_or_else(|| missing("aclDestroyTensorList"))?;
-            let grouped_matmul = match find_op::<Gmm5>(&libs, "aclnnGroupedMatmulV5") {
-                Some((ws, launch)) => GroupedMatmul::V5(ws, launch),
-                None => {
-                    let (ws, launch) = find_op::<Gmm4>(&libs, "aclnnGroupedMatmulV4")
-                        .ok_or_else(|| missing("aclnnGroupedMatmulV5 or aclnnGroupedMatmulV4"))?;
-                    GroupedMatmul::V4(ws, launch)
-                }
-            };
-            let destroy_executor = nnopbase.required("aclDestroyAclOpExecutor")?;
-            libs.push(nnopbase);
-            Ok(Aclnn {
+            let grouped_matmul =
+                GroupedMatmul::find(&libs).ok_or_else(|| missing("aclnnGroupedMatmulV5 or V4"))?;
+            // Operators come from the operator libraries only, before libnnopbase joins the list.
+            let api = Aclnn {
                 create_tensor,
                 destroy_tensor,
                 create_tensor_list,
                 destroy_tensor_list,
+                create_int_array: find(&libs, "aclCreateIntArray"),
+                destroy_int_array: find(&libs, "aclDestroyIntArray"),
                 grouped_matmul,
-                destroy_executor,
+                token_permute: find_op(&libs, "aclnnMoeTokenPermute"),
+                token_unpermute: find_op(&libs, "aclnnMoeTokenUnpermute"),
+                alltoallv_grouped_matmul: find_op(&libs, "aclnnAlltoAllvGroupedMatMul"),
+                grouped_matmul_alltoallv: find_op(&libs, "aclnnGroupedMatMulAlltoAllv"),
+                destroy_executor: nnopbase.required("aclDestroyAclOpExecutor")?,
                 libs,
-            })
+            };
+            Ok(Aclnn { libs: api.libs.into_iter().chain([nnopbase]).collect(), ..api })
         }
     }
 
@@ -269,6 +223,18 @@ impl Drop for OwnedList<'_> {
     fn drop(&mut self) {
         // SAFETY: made by aclCreateTensorList; destroys its tensors too.
         unsafe { (self.1.destroy_tensor_list)(self.0) };
+    }
+}
+
+/// An `aclIntArray` (host values copied by the library), destroyed on drop.
+struct OwnedIntArray<'a>(IntArray, &'a Aclnn);
+
+impl Drop for OwnedIntArray<'_> {
+    fn drop(&mut self) {
+        if let Some(destroy) = self.1.destroy_int_array {
+            // SAFETY: made by aclCreateIntArray, destroyed once.
+            unsafe { destroy(self.0) };
+        }
     }
 }
 
@@ -347,91 +313,42 @@ impl Aclnn {
         Ok(OwnedList(list, self))
     }
 
-    /// Grouped matmul with per-group counts (`groupListType` 1), no bias, no activation.
-    /// `group_type` 0 splits the rows of `x` ([M,K] × weight [G,K,N] → out [M,N], `split_item`
-    /// 2); `group_type` 2 splits K (x [M,K] × weight [K,N] → out [G,M,N], `split_item` 3).
-    ///
-    /// # Safety
-    /// The views describe live device memory of their dtypes; `stream` is a live stream.
+    fn int_array(&self, values: &[i64]) -> Result<OwnedIntArray<'_>> {
+        let (create, _) = self
+            .create_int_array
+            .zip(self.destroy_int_array)
+            .ok_or_else(|| self.missing("aclCreateIntArray and aclDestroyIntArray"))?;
+        // SAFETY: `values.len()` readable values.
+        let array = unsafe { create(values.as_ptr(), values.len() as u64) };
+        if array.is_null() {
+            return Err(Error::invalid(format!("aclCreateIntArray refused {} values", values.len())));
+        }
+        Ok(OwnedIntArray(array, self))
+    }
+
+    /// The error for an operator or constructor that no loaded library has.
+    fn missing(&self, symbol: &str) -> Error {
+        missing_symbol(&self.libs, symbol)
+    }
+
+    /// Phase 2 after `op`'s phase 1 returned `code`, `bytes` and `executor`: the workspace from
+    /// the caller's allocator, then the launch on `stream`. A failed phase 1 made no executor; one
+    /// made but never launched is destroyed.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn grouped_matmul(
+    fn launch(
         &self,
-        x: &View,
-        weight: &View,
-        group_list: &View,
-        out: &View,
-        split_item: i64,
-        group_type: i64,
+        op: &str,
+        code: AclnnStatus,
+        bytes: u64,
+        executor: Executor,
+        launch: Launch,
         workspace: Workspace,
         stream: AclrtStream,
     ) -> Result<()> {
-        let xs = self.list(x)?;
-        let ws = self.list(weight)?;
-        let groups = self.tensor(group_list)?;
-        let outs = self.list(out)?;
-        let null = std::ptr::null_mut();
-        let mut bytes = 0u64;
-        let mut executor: Executor = null;
-        let (call, launch) = match self.grouped_matmul {
-            // SAFETY: V4/V5 signatures; optional inputs NULL; groupListType 1, actType NONE.
-            GroupedMatmul::V5(get, launch) => unsafe {
-                let code = get(
-                    xs.0,
-                    ws.0,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    groups.0,
-                    null,
-                    null,
-                    null,
-                    split_item,
-                    group_type,
-                    1,
-                    0,
-                    null,
-                    outs.0,
-                    null,
-                    null,
-                    &mut bytes,
-                    &mut executor,
-                );
-                (status(code, "aclnnGroupedMatmulV5GetWorkspaceSize"), (launch, "aclnnGroupedMatmulV5"))
-            },
-            GroupedMatmul::V4(get, launch) => unsafe {
-                let code = get(
-                    xs.0,
-                    ws.0,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    groups.0,
-                    null,
-                    null,
-                    null,
-                    split_item,
-                    group_type,
-                    1,
-                    0,
-                    outs.0,
-                    null,
-                    null,
-                    &mut bytes,
-                    &mut executor,
-                );
-                (status(code, "aclnnGroupedMatmulV4GetWorkspaceSize"), (launch, "aclnnGroupedMatmulV4"))
-            },
-        };
-        call?;
+        status(code, &format!("{op}GetWorkspaceSize"))?;
         let pending = PendingExecutor(executor, self);
-        let buffer = if bytes > 0 { workspace(bytes)? } else { null };
+        let buffer = if bytes > 0 { workspace(bytes)? } else { std::ptr::null_mut() };
         // SAFETY: the executor from this GetWorkspaceSize, its workspace size, launched once.
-        status(unsafe { (launch.0)(buffer, bytes, pending.take(), stream) }, launch.1)
+        status(unsafe { launch(buffer, bytes, pending.take(), stream) }, op)
     }
 }

@@ -42,7 +42,10 @@ def test_opcheck_every_moe_op():
                      (ops.moe_unpermute.default, (permuted, permutation, None, 4, 2)),
                      (ops.grouped_mm.default, (a, counts, w)),
                      (ops.grouped_mm_grad_input.default, (torch.randn(8, 6, dtype=torch.float64), counts, w)),
-                     (ops.grouped_mm_grad_weight.default, (torch.randn(8, 6, dtype=torch.float64), a, counts))]:
+                     (ops.grouped_mm_grad_weight.default, (torch.randn(8, 6, dtype=torch.float64), a, counts)),
+                     (ops.moe_token_permute.default, (x, ids)),
+                     (ops.moe_token_unpermute.default, (permuted, ops.moe_token_permute(x, ids)[1], probs)),
+                     (ops.moe_token_unpermute.default, (permuted, ops.moe_token_permute(x, ids)[1], None))]:
         torch.library.opcheck(op, args)
 
 
@@ -50,6 +53,8 @@ def test_gradcheck_f64():
     _, permutation, x, probs = _inputs()
     assert gradcheck(lambda x, p: ops.moe_unpermute(ops.moe_permute(x, permutation, 2), permutation, p, 4, 2),
                      (x, probs))
+    ids = _inputs()[0]
+    assert gradcheck(lambda x, p: ops.moe_token_unpermute(*ops.moe_token_permute(x, ids), p), (x, probs))
     counts = torch.tensor([2, 0, 3])  # an empty group: zero rows, zero weight gradient
     a = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -68,6 +69,36 @@ inline void check_unpermute_shape(const at::Tensor& permuted, int64_t tokens, in
                     permuted.sizes());
   TORCH_CHECK_VALUE(permuted.size(0) == tokens * top_k, "permuted tokens(", permuted.size(0), ") != sorted indices(",
                     tokens * top_k, ")");
+}
+
+// Checks of moe_token_permute shared by its kernels; returns top_k.
+inline int64_t check_token_permute(const at::Tensor& tokens, const at::Tensor& indices) {
+  const char* op = "fsdpturbo::moe_token_permute";
+  TORCH_CHECK_VALUE(tokens.dim() == 2, op, ": tokens must be [tokens, hidden], got ", tokens.sizes());
+  TORCH_CHECK_VALUE((indices.dim() == 1 || indices.dim() == 2) && indices.size(0) == tokens.size(0) &&
+                        !at::isFloatingType(indices.scalar_type()),
+                    op, ": indices must be integer expert ids [", tokens.size(0), "] or [", tokens.size(0),
+                    ", top_k], got ", indices.scalar_type(), " ", indices.sizes());
+  int64_t top_k = indices.dim() == 2 ? indices.size(1) : 1;
+  TORCH_CHECK_VALUE(top_k <= 512, op, ": top_k must be <= 512 (aclnnMoeTokenPermute), got ", top_k);
+  return top_k;
+}
+
+// Checks of moe_token_unpermute shared by its kernels; returns top_k (1 without probs).
+inline int64_t check_token_unpermute(const at::Tensor& permuted, const at::Tensor& sorted_indices,
+                                     const std::optional<at::Tensor>& probs) {
+  const char* op = "fsdpturbo::moe_token_unpermute";
+  TORCH_CHECK_VALUE(permuted.dim() == 2, op, ": permuted must be [rows, hidden], got ", permuted.sizes());
+  TORCH_CHECK_VALUE(sorted_indices.dim() == 1 && sorted_indices.numel() == permuted.size(0) &&
+                        !at::isFloatingType(sorted_indices.scalar_type()),
+                    op, ": sorted_indices must hold one integer row per permuted row (", permuted.size(0), "), got ",
+                    sorted_indices.scalar_type(), " ", sorted_indices.sizes());
+  TORCH_CHECK_VALUE(!probs || (probs->dim() == 2 && probs->numel() == sorted_indices.numel()), op,
+                    ": probs must be [tokens, top_k] with tokens * top_k = ", sorted_indices.numel(), ", got ",
+                    probs ? probs->sizes() : c10::IntArrayRef{});
+  int64_t top_k = probs ? probs->size(1) : 1;
+  TORCH_CHECK_VALUE(top_k <= 512, op, ": top_k must be <= 512 (aclnnMoeTokenUnpermute), got ", top_k);
+  return top_k;
 }
 
 // Raised by the kernels of devices whose run-time backend is not built yet.

@@ -1,8 +1,11 @@
-// NPU (PrivateUse1, torch_npu) kernels of the MoE ops and the HCCL all-to-all of the mc2
-// dispatcher. Grouped matmul runs aclnnGroupedMatmulV5/V4 and the all-to-all HcclAlltoAllV,
-// both through libfsdpturbo (loaded at run time; no CANN headers or libraries at build time)
-// on torch_npu's current stream; permute/unpermute are ATen compositions that torch_npu runs;
-// routing metadata is computed on the host, where the split sizes must go anyway (DESIGN §4.5).
+// NPU (PrivateUse1, torch_npu) kernels of the MoE ops, through libfsdpturbo's aclnn bindings
+// (loaded at run time; no CANN headers or libraries at build time), on torch_npu's current
+// stream: grouped matmul (aclnnGroupedMatmulV5/V4), token permute/unpermute
+// (aclnnMoeTokenPermute/Unpermute) and the MC2 operators (aclnnAlltoAllvGroupedMatMul,
+// aclnnGroupedMatMulAlltoAllv) over a process group's HCCL communicator named by the caller.
+// The generic row gather/combine (moe_permute/moe_unpermute) are ATen compositions torch_npu
+// runs; routing metadata is computed on the host, where the split sizes must go anyway
+// (DESIGN §4.5).
 //
 // Test mode (`fsdpturbo::_ascend_test_double_enable`): libfsdpturbo agrees only when every CANN
 // library it loaded is fsdpturbo's C test double (csrc/testing, never installed; real CANN
@@ -12,6 +15,8 @@
 #include <atomic>
 #include <mutex>
 #include <numeric>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -93,6 +98,126 @@ void launch_gmm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   check(fsdpturbo_npu_grouped_matmul(npu_dtype(x, op), &vx.view, &vw.view, &vc.view, &vo.view, split_item, group_type,
                                      &allocate_workspace, &workspaces, stream_for(x, op)),
         op);
+}
+
+// aclnnMoeTokenPermute: the rows of `tokens` in the stable order of `indices`, and every slot's row.
+std::tuple<at::Tensor, at::Tensor> moe_token_permute_npu(const at::Tensor& tokens, const at::Tensor& indices) {
+  const char* op = "fsdpturbo::moe_token_permute";
+  int64_t top_k = check_token_permute(tokens, indices);
+  auto src = tokens.contiguous();
+  auto ids = indices.to(tokens.device(), at::kInt).contiguous();
+  auto permuted = at::empty({tokens.size(0) * top_k, tokens.size(1)}, tokens.options());
+  auto sorted = at::empty({tokens.size(0) * top_k}, tokens.options().dtype(at::kInt));
+  if (sorted.numel() == 0) return {permuted, sorted};
+  Workspaces workspaces{tokens.device(), {}};
+  NpuView vt(src), vi(ids), vp(permuted), vs(sorted);
+  check(fsdpturbo_npu_moe_token_permute(npu_dtype(src, op), &vt.view, &vi.view, &vp.view, &vs.view,
+                                        &allocate_workspace, &workspaces, stream_for(src, op)),
+        op);
+  return {permuted, sorted};
+}
+
+// aclnnMoeTokenUnpermute; probs are first rounded to the tokens' dtype, as the host kernels do.
+at::Tensor moe_token_unpermute_npu(const at::Tensor& permuted, const at::Tensor& sorted_indices,
+                                   const std::optional<at::Tensor>& probs) {
+  const char* op = "fsdpturbo::moe_token_unpermute";
+  int64_t top_k = check_token_unpermute(permuted, sorted_indices, probs);
+  auto src = permuted.contiguous();
+  auto rows = sorted_indices.to(permuted.device(), at::kInt).contiguous();
+  auto out = at::empty({sorted_indices.numel() / top_k, permuted.size(1)}, permuted.options());
+  if (out.numel() == 0) return out;
+  std::optional<at::Tensor> weights;
+  if (probs) weights = probs->to(permuted.device(), permuted.scalar_type()).contiguous();
+  Workspaces workspaces{permuted.device(), {}};
+  NpuView vp(src), vs(rows), vo(out);
+  std::optional<NpuView> vw;
+  if (weights) vw.emplace(*weights);
+  check(fsdpturbo_npu_moe_token_unpermute(npu_dtype(src, op), &vp.view, &vs.view, vw ? &vw->view : nullptr, &vo.view,
+                                          &allocate_workspace, &workspaces, stream_for(src, op)),
+        op);
+  return out;
+}
+
+// What an MC2 operator needs besides its tensors: the communicator's name and the counts.
+struct Exchange {
+  std::string group;
+  std::vector<int64_t> send, recv;
+  fsdpturbo_npu_exchange_t spec;
+  Exchange(c10::string_view name, int64_t ep_world_size, c10::IntArrayRef send_counts, c10::IntArrayRef recv_counts,
+           bool trans_weight)
+      : group(name), send(send_counts.vec()), recv(recv_counts.vec()) {
+    spec.group = group.c_str();
+    spec.ep_world_size = ep_world_size;
+    spec.counts_len = send.size();
+    spec.send_counts = send.data();
+    spec.recv_counts = recv.data();
+    spec.trans_weight = trans_weight;
+  }
+};
+
+int64_t total(c10::IntArrayRef counts) { return std::accumulate(counts.begin(), counts.end(), int64_t{0}); }
+
+// Shape and dtype constraints of both MC2 operators, checked before launch. Returns N.
+int64_t check_mc2(const at::Tensor& x, const at::Tensor& weight, int64_t ep_world_size, c10::IntArrayRef send_counts,
+                  c10::IntArrayRef recv_counts, bool trans_weight, const char* op) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 3, op, ": x [rows, in] and a 3-D weight expected, got ", x.sizes(),
+                    " and ", weight.sizes());
+  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type() &&
+                        (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+                    op, ": the MC2 operators take bfloat16 or float16 (one dtype), got ", x.scalar_type(), " and ",
+                    weight.scalar_type());
+  int64_t in = trans_weight ? weight.size(2) : weight.size(1), experts = weight.size(0);
+  TORCH_CHECK_VALUE(x.size(1) == in, op, ": x has ", x.size(1), " columns but the weight (",
+                    trans_weight ? "[experts, out, in]" : "[experts, in, out]", ") takes ", in);
+  TORCH_CHECK_VALUE(ep_world_size >= 1 && static_cast<int64_t>(send_counts.size()) == experts * ep_world_size &&
+                        recv_counts.size() == send_counts.size(),
+                    op, ": send_counts and recv_counts need ", experts, " local experts x ", ep_world_size,
+                    " ranks = ", experts * ep_world_size, " entries, got ", send_counts.size(), " and ",
+                    recv_counts.size());
+  TORCH_CHECK_VALUE(experts <= 32 && experts * ep_world_size <= 256, op,
+                    ": the operator takes at most 32 local experts and 256 counts, got ", experts, " x ", ep_world_size);
+  unsigned_from(send_counts, "send_counts");
+  unsigned_from(recv_counts, "recv_counts");
+  TORCH_CHECK_VALUE(total(send_counts) == x.size(0), op, ": send_counts sum to ", total(send_counts), " rows but x has ",
+                    x.size(0));
+  return trans_weight ? weight.size(1) : weight.size(2);
+}
+
+// aclnnAlltoAllvGroupedMatMul: (rows times their expert's weight, the permuted rows).
+std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_npu(const at::Tensor& x, const at::Tensor& weight,
+                                                            c10::string_view group, int64_t ep_world_size,
+                                                            c10::IntArrayRef send_counts,
+                                                            c10::IntArrayRef recv_counts, bool trans_weight) {
+  const char* op = "fsdpturbo::alltoallv_grouped_mm";
+  int64_t out = check_mc2(x, weight, ep_world_size, send_counts, recv_counts, trans_weight, op);
+  auto src = x.contiguous(), w = weight.contiguous();
+  auto y = at::empty({total(recv_counts), out}, x.options());
+  auto permuted = at::empty({total(recv_counts), x.size(1)}, x.options());
+  Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
+  Workspaces workspaces{x.device(), {}};
+  NpuView vx(src), vw(w), vy(y), vp(permuted);
+  check(fsdpturbo_npu_alltoallv_grouped_matmul(npu_dtype(src, op), &vx.view, &vw.view, &exchange.spec, &vy.view,
+                                               &vp.view, &allocate_workspace, &workspaces, stream_for(src, op)),
+        op);
+  return {y, permuted};
+}
+
+// aclnnGroupedMatMulAlltoAllv: local-expert-major rows times their expert's weight, back to the
+// ranks (and the order) they came from.
+at::Tensor grouped_mm_alltoallv_npu(const at::Tensor& x, const at::Tensor& weight, c10::string_view group,
+                                    int64_t ep_world_size, c10::IntArrayRef send_counts, c10::IntArrayRef recv_counts,
+                                    bool trans_weight) {
+  const char* op = "fsdpturbo::grouped_mm_alltoallv";
+  int64_t out = check_mc2(x, weight, ep_world_size, send_counts, recv_counts, trans_weight, op);
+  auto src = x.contiguous(), w = weight.contiguous();
+  auto y = at::empty({total(recv_counts), out}, x.options());
+  Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
+  Workspaces workspaces{x.device(), {}};
+  NpuView vx(src), vw(w), vy(y);
+  check(fsdpturbo_npu_grouped_matmul_alltoallv(npu_dtype(src, op), &vx.view, &vw.view, &exchange.spec, &vy.view,
+                                               &allocate_workspace, &workspaces, stream_for(src, op)),
+        op);
+  return y;
 }
 
 // The group list: int64 counts on the tensors' device, one per group.
@@ -200,44 +325,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_receive_npu(const at::Tensor&
   return on_host<int64_t>("fsdpturbo::moe_receive", gathered, rank);
 }
 
-// Rows of x to and from every rank of an HCCL communicator (`comm`: a fsdpturbo_hccl_comm_t*
-// made by fsdpturbo.mc2), packed in rank order.
-at::Tensor hccl_all_to_all_v_npu(const at::Tensor& x, int64_t comm, c10::IntArrayRef output_splits,
-                                 c10::IntArrayRef input_splits) {
-  TORCH_CHECK_VALUE(comm != 0, "fsdpturbo::hccl_all_to_all_v: comm is NULL");
-  TORCH_CHECK_VALUE(x.dim() == 2, "fsdpturbo::hccl_all_to_all_v: x must be [rows, width], got ", x.sizes());
-  TORCH_CHECK_VALUE(output_splits.size() == input_splits.size(), "fsdpturbo::hccl_all_to_all_v: ",
-                    input_splits.size(), " input splits but ", output_splits.size(), " output splits");
-  auto sends = unsigned_from(input_splits, "input_splits");
-  auto recvs = unsigned_from(output_splits, "output_splits");
-  uint64_t sent = std::accumulate(sends.begin(), sends.end(), uint64_t{0});
-  uint64_t received = std::accumulate(recvs.begin(), recvs.end(), uint64_t{0});
-  TORCH_CHECK_VALUE(sent == static_cast<uint64_t>(x.size(0)), "fsdpturbo::hccl_all_to_all_v: input splits sum to ",
-                    sent, " rows but x has ", x.size(0));
-  auto src = x.contiguous();
-  auto out = at::empty({static_cast<int64_t>(received), x.size(1)}, x.options());
-  uint64_t width = static_cast<uint64_t>(x.size(1));
-  std::vector<uint64_t> send_counts, send_displs, recv_counts, recv_displs;
-  uint64_t s = 0, r = 0;
-  for (size_t p = 0; p < sends.size(); ++p) {
-    send_counts.push_back(sends[p] * width);
-    send_displs.push_back(s);
-    s += sends[p] * width;
-    recv_counts.push_back(recvs[p] * width);
-    recv_displs.push_back(r);
-    r += recvs[p] * width;
-  }
-  int32_t dtype = src.scalar_type() == at::kDouble ? FSDPTURBO_DTYPE_F64 : npu_dtype(src, "hccl_all_to_all_v");
-  check(fsdpturbo_hccl_all_to_all_v(reinterpret_cast<const fsdpturbo_hccl_comm_t*>(comm), src.const_data_ptr(),
-                                    out.mutable_data_ptr(), send_counts.data(), send_displs.data(), recv_counts.data(),
-                                    recv_displs.data(), sends.size(), dtype, stream_for(src, "hccl_all_to_all_v")),
-        "fsdpturbo::hccl_all_to_all_v");
-  return out;
+std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_host(const at::Tensor& x, const at::Tensor&, c10::string_view,
+                                                             int64_t, c10::IntArrayRef, c10::IntArrayRef, bool) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::alltoallv_grouped_mm runs on Ascend NPU tensors (MC2); got ",
+                              x.device());
 }
 
-at::Tensor hccl_all_to_all_v_host(const at::Tensor& x, int64_t, c10::IntArrayRef, c10::IntArrayRef) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::hccl_all_to_all_v runs on Ascend NPU tensors (HCCL); got ",
-                              x.device(), ". On other devices use torch.distributed");
+at::Tensor grouped_mm_alltoallv_host(const at::Tensor& x, const at::Tensor&, c10::string_view, int64_t,
+                                     c10::IntArrayRef, c10::IntArrayRef, bool) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::grouped_mm_alltoallv runs on Ascend NPU tensors (MC2); got ",
+                              x.device());
 }
 
 void register_device_kernels(torch::Library& m) {
@@ -246,7 +343,10 @@ void register_device_kernels(torch::Library& m) {
   m.impl("grouped_mm", &grouped_mm_npu);
   m.impl("grouped_mm_grad_input", &grouped_mm_grad_input_npu);
   m.impl("grouped_mm_grad_weight", &grouped_mm_grad_weight_npu);
-  m.impl("hccl_all_to_all_v", &hccl_all_to_all_v_npu);
+  m.impl("moe_token_permute", &moe_token_permute_npu);
+  m.impl("moe_token_unpermute", &moe_token_unpermute_npu);
+  m.impl("alltoallv_grouped_mm", &alltoallv_grouped_mm_npu);
+  m.impl("grouped_mm_alltoallv", &grouped_mm_alltoallv_npu);
 }
 
 void ascend_test_double_enable() {
@@ -265,14 +365,25 @@ void ascend_test_double_enable() {
 }  // namespace fsdpturbo_torch
 
 TORCH_LIBRARY_FRAGMENT(fsdpturbo, m) {
-  // All-to-all-v of rows over an HCCL communicator (the mc2 dispatcher's transport); splits in rows.
-  m.def("hccl_all_to_all_v(Tensor x, int comm, int[] output_splits, int[] input_splits) -> Tensor");
+  // MC2 (Ascend): `x` rows grouped by destination expert (send_counts[r * e + j] to local expert
+  // j of rank r) to their experts over the HCCL communicator named `group`, permuted
+  // local-expert-major, times their expert's weight ([e, out, in] with trans_weight, else
+  // [e, in, out]). Returns (y, the permuted rows).
+  m.def("alltoallv_grouped_mm(Tensor x, Tensor weight, str group, int ep_world_size, int[] send_counts, "
+        "int[] recv_counts, bool trans_weight) -> (Tensor, Tensor)");
+  // The way back: local-expert-major rows times their expert's weight, returned to their ranks
+  // in the order they were sent (send_counts here are the rows each expert got from each rank).
+  m.def("grouped_mm_alltoallv(Tensor x, Tensor weight, str group, int ep_world_size, int[] send_counts, "
+        "int[] recv_counts, bool trans_weight) -> Tensor");
   // Tests only: run the NPU kernels on CPU tensors over fsdpturbo's C test doubles of CANN.
   // Refused unless every loaded CANN library is the double.
   m.def("_ascend_test_double_enable() -> ()", &fsdpturbo_torch::ascend_test_double_enable);
 }
 
-TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) { m.impl("hccl_all_to_all_v", &fsdpturbo_torch::hccl_all_to_all_v_host); }
+TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
+  m.impl("alltoallv_grouped_mm", &fsdpturbo_torch::alltoallv_grouped_mm_host);
+  m.impl("grouped_mm_alltoallv", &fsdpturbo_torch::grouped_mm_alltoallv_host);
+}
 
 TORCH_LIBRARY_IMPL(fsdpturbo, PrivateUse1, m) {
   fsdpturbo_torch::register_device_kernels(m);

@@ -290,14 +290,32 @@ def _domino_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gro
     return _shaped_like(torch.cat(outputs), hidden_states)
 
 
+def _grouped_experts(module, grouped, per_expert, tokens_per_local_expert):
+    """The expert MLP as two grouped matmuls over rows grouped by local expert; the eager MLP
+    when no local expert has a row, as the seed does."""
+    from ._native import ops
+
+    if sum(tokens_per_local_expert) == 0:
+        return _experts_mlp(module, grouped, tokens_per_local_expert)
+    gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
+    gate, up = ops.grouped_mm(grouped, per_expert, gate_up).chunk(2, dim=-1)
+    limit = getattr(module, "limit", None)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ops.grouped_mm((module.act_fn(gate) * up).contiguous(), per_expert, down)
+
+
 def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
     (`torch.ops.fsdpturbo`: host kernels on CPU; NVRTC-compiled kernels and cuBLAS /
-    `torch._grouped_mm` on CUDA; aclnn grouped matmul on Ascend NPUs). When no local expert receives a token it falls
-    back to the eager expert MLP, as the seed does."""
+    `torch._grouped_mm` on CUDA; aclnn token permute/unpermute and grouped matmul on Ascend NPUs,
+    `_fused_npu`)."""
+    from . import mc2
     from ._native import ops
 
     hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
+    if mc2.runs_npu_kernels(hidden):
+        return _shaped_like(_fused_npu(module, hidden, index, weights, ep_group), hidden_states)
     tokens, top_k = index.shape
     num_experts = module.num_global_experts
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
@@ -312,21 +330,43 @@ def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_grou
     _check_ids(flat, top_k, num_experts, gathered, ep_group)
     per_expert, output_splits, local_order = ops.moe_receive(gathered[:, 0, :num_experts], ep_rank)
     input_splits, output_splits = routed["splits"].tolist(), output_splits.tolist()
-    tokens_per_local_expert = per_expert.tolist()
 
     permuted = ops.moe_permute(hidden.contiguous(), routed["permutation"], top_k)
     received = _all_to_all(permuted, output_splits, input_splits, ep_group)
     grouped = ops.moe_permute(received, local_order, 1)
-    if sum(tokens_per_local_expert) == 0:
-        out = _experts_mlp(module, grouped, tokens_per_local_expert)
-    else:
-        gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
-        gate, up = ops.grouped_mm(grouped, per_expert, gate_up).chunk(2, dim=-1)
-        limit = getattr(module, "limit", None)
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        out = ops.grouped_mm((module.act_fn(gate) * up).contiguous(), per_expert, down)
+    out = _grouped_experts(module, grouped, per_expert, per_expert.tolist())
     y = ops.moe_unpermute(out, local_order, None, out.size(0), 1)
     back = _all_to_all(y, input_splits, output_splits, ep_group)
     result = ops.moe_unpermute(back.contiguous(), routed["permutation"], weights, tokens, top_k)
     return _shaped_like(result, hidden_states)
+
+
+def _fused_npu(module, hidden, index, weights, ep_group):
+    """The fused dispatcher with the NPU kernels (seed §5.2, NPU column): counts by bincount on
+    the device (one host copy of the gathered counts), both permutes by expert id
+    (`aclnnMoeTokenPermute`), both combines by slot rows (`aclnnMoeTokenUnpermute`)."""
+    from ._native import ops
+
+    top_k = index.size(1)
+    num_experts, local = module.num_global_experts, module.num_local_experts
+    ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    flat = index.reshape(-1)
+    gathered = _gathered_counts([flat], num_experts, ep_group)
+    _check_ids(flat, top_k, num_experts, gathered, ep_group)
+    counts = gathered[:, 0, :num_experts].tolist()
+    blocks = [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]  # (source, expert)
+    input_splits = [sum(counts[ep_rank][p * local:(p + 1) * local]) for p in range(ep_size)]
+    output_splits = [sum(blocks[p * local:(p + 1) * local]) for p in range(ep_size)]
+    tokens_per_local_expert = [sum(blocks[j::local]) for j in range(local)]
+
+    permuted, slot_rows = ops.moe_token_permute(hidden.contiguous(), index)
+    received = _all_to_all(permuted, output_splits, input_splits, ep_group)
+    device = hidden.device
+    local_ids = torch.arange(local, device=device).repeat(ep_size).repeat_interleave(
+        torch.tensor(blocks, device=device))
+    grouped, local_rows = ops.moe_token_permute(received, local_ids)
+    per_expert = torch.tensor(tokens_per_local_expert, dtype=torch.int64, device=device)
+    out = _grouped_experts(module, grouped, per_expert, tokens_per_local_expert)
+    y = ops.moe_token_unpermute(out, local_rows, None)
+    back = _all_to_all(y, input_splits, output_splits, ep_group)
+    return ops.moe_token_unpermute(back.contiguous(), slot_rows, weights)

@@ -1,18 +1,20 @@
-"""The mc2 dispatcher (seed §5.4): AllToAllV joined with the first grouped matmul and the second
-grouped matmul joined with AllToAllV, on Ascend NPUs.
+"""The mc2 dispatcher (seed §5.4) on Ascend NPUs: the all-to-all-v fused with the first grouped
+matmul (`aclnnAlltoAllvGroupedMatMul`, torch_npu's `npu_alltoallv_gmm`) and the second grouped
+matmul fused with the all-to-all-v back (`aclnnGroupedMatMulAlltoAllv`, `npu_gmm_alltoallv`),
+both over the EP process group's own HCCL communicator, found by its name
+(`group._get_backend(npu).get_hccl_comm_name(rank)`), and queued on torch_npu's current stream.
 
-Structure as the seed's `npu_alltoallv_gmm` / `npu_gmm_alltoallv` calls: the send counts are my
-rows per global expert (length E), the receive counts the gathered counts of my local experts
-(length P·L, source-major); received rows are regrouped local-expert-major for the grouped
-matmul and put back in source order before the return all-to-all. Backward mirrors it (the data
-gradient is the all-to-all with the counts swapped, the weight gradient a grouped matmul split
-along K with the per-local-expert totals, `fsdpturbo::grouped_mm`'s autograd).
+Structure as the seed's: the tokens are permuted by expert (`aclnnMoeTokenPermute`); the send
+counts are my rows per global expert (length E), the receive counts the gathered counts of my
+local experts (length P·L, source-major); the operators regroup received rows local-expert-major
+and put them back in source order themselves; the weighted combine is `aclnnMoeTokenUnpermute`.
+Backward mirrors it: the data gradient is the mirrored fused operator with the counts swapped
+and the weight untransposed, the weight gradient a grouped matmul split along K
+(`fsdpturbo::grouped_mm_grad_weight`) with the per-local-expert totals, using the permuted rows
+the first operator returns (permuteOutFlag).
 
-What runs: the all-to-all is `HcclAlltoAllV` on an HCCL communicator this module makes for the
-EP group from a root info (`HcclGetRootInfo` on the group's first rank, broadcast over the
-group, `HcclCommInitRootInfo`), queued on torch_npu's current stream next to the aclnn grouped
-matmul. It is not torch_npu's single fused MC2 kernel (`aclnnAlltoAllvGroupedMatMul`), whose C
-signature is not in our reference; the results are the same, the overlap inside the kernel is not.
+Hardware limits (ops-transformer docs, reference §6.6): Atlas A3 only; ep size 8, 16, 32 or 64;
+at most 32 local experts and 256 counts; bfloat16 or float16. They are checked before launch.
 """
 import ctypes
 
@@ -22,16 +24,20 @@ import torch.distributed as dist
 from ._native import check, lib, ops
 
 ROOT_INFO_BYTES = 4108
+COMM_NAME_BYTES = 128
+EP_SIZES_ON_NPU = (8, 16, 32, 64)
 
 lib.fsdpturbo_hccl_root_info.restype = ctypes.c_int32
 lib.fsdpturbo_hccl_root_info.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 lib.fsdpturbo_hccl_comm_new.restype = ctypes.c_int32
 lib.fsdpturbo_hccl_comm_new.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32,
                                         ctypes.POINTER(ctypes.c_void_p)]
+lib.fsdpturbo_hccl_comm_name.restype = ctypes.c_int32
+lib.fsdpturbo_hccl_comm_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
 lib.fsdpturbo_hccl_comm_free.restype = None
 lib.fsdpturbo_hccl_comm_free.argtypes = [ctypes.c_void_p]
 
-_COMMS = {}
+_TEST_COMMS = {}
 _TEST_DOUBLE = False
 
 
@@ -52,8 +58,15 @@ def available():
     return bool(npu is not None and npu.is_available())
 
 
-class HcclCommunicator:
-    """An HCCL communicator over the ranks of a process group (every rank must construct it)."""
+def runs_npu_kernels(tensor):
+    """Whether the op library serves `tensor` with its NPU kernels: an NPU tensor, or any tensor
+    once the test double is on."""
+    return _TEST_DOUBLE or tensor.device.type == "npu"
+
+
+class _TestCommunicator:
+    """Test mode: the HCCL double's communicator over a (gloo) group's ranks, made from a root
+    info broadcast over the group, standing in for ProcessGroupHCCL's own communicator."""
 
     def __init__(self, group):
         ranks = dist.get_process_group_ranks(group)
@@ -66,128 +79,137 @@ class HcclCommunicator:
         check(lib.fsdpturbo_hccl_comm_new(box[0], ROOT_INFO_BYTES, len(ranks), dist.get_rank(group),
                                           ctypes.byref(handle)))
         self.handle = handle.value
+        name = ctypes.create_string_buffer(COMM_NAME_BYTES)
+        check(lib.fsdpturbo_hccl_comm_name(self.handle, name, COMM_NAME_BYTES))
+        self.name = name.value.decode()
 
     def __del__(self):
         lib.fsdpturbo_hccl_comm_free(self.handle)
 
 
-def communicator(group):
-    """The cached HCCL communicator of `group` (made collectively on first use)."""
-    key = (tuple(dist.get_process_group_ranks(group)), group.group_name)
-    if key not in _COMMS:
-        _COMMS[key] = HcclCommunicator(group)
-    return _COMMS[key].handle
+def comm_name(group):
+    """The name of `group`'s HCCL communicator, which the MC2 operators take (seed:
+    `group._get_backend(torch.device("npu")).get_hccl_comm_name(global_rank)`)."""
+    if _TEST_DOUBLE:
+        key = (tuple(dist.get_process_group_ranks(group)), group.group_name)
+        if key not in _TEST_COMMS:
+            _TEST_COMMS[key] = _TestCommunicator(group)
+        return _TEST_COMMS[key].name
+    try:
+        backend = group._get_backend(torch.device("npu"))
+        return backend.get_hccl_comm_name(dist.get_rank())
+    except (AttributeError, RuntimeError) as e:
+        raise RuntimeError(f"mc2: the EP process group has no HCCL backend with get_hccl_comm_name ({e}); "
+                           f"initialise torch.distributed with backend 'hccl' under torch_npu") from e
 
 
-def _a2a_setup(ctx, inputs, output):
-    _, ctx.comm, ctx.output_splits, ctx.input_splits = inputs
+def check_ep_size(ep_size, on_npu=True):
+    """The ep sizes aclnnAlltoAllvGroupedMatMul accepts on Atlas A3 (the test double takes any)."""
+    if on_npu and ep_size not in EP_SIZES_ON_NPU:
+        raise ValueError(f"mc2: the MC2 operators run with an ep size of {', '.join(map(str, EP_SIZES_ON_NPU))} "
+                         f"(Atlas A3), got {ep_size}; use the 'fused' dispatcher for other sizes")
 
 
-def _a2a_backward(ctx, grad):
-    return ops.hccl_all_to_all_v(grad.contiguous(), ctx.comm, ctx.input_splits, ctx.output_splits), None, None, None
+def _per_local_expert(counts, local, device):
+    """Rows per local expert: the P chunks of L counts summed (the seed's column sums)."""
+    totals = [sum(counts[j::local]) for j in range(local)]
+    return torch.tensor(totals, dtype=torch.int64, device=device)
 
 
-torch.library.register_autograd("fsdpturbo::hccl_all_to_all_v", _a2a_backward, setup_context=_a2a_setup)
+def _alltoallv_gmm_setup(ctx, inputs, output):
+    x, weight, ctx.group, ctx.ep_size, ctx.send, ctx.recv, ctx.trans = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(weight, output[1])
 
 
-@torch.library.register_fake("fsdpturbo::hccl_all_to_all_v")
-def _a2a_fake(x, comm, output_splits, input_splits):
-    return x.new_empty((sum(output_splits), x.size(1)))
+def _alltoallv_gmm_backward(ctx, grad_y, _grad_permuted):
+    weight, permuted = ctx.saved_tensors
+    grad_y = grad_y.contiguous()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = ops.grouped_mm_alltoallv(grad_y, weight, ctx.group, ctx.ep_size, ctx.recv, ctx.send, not ctx.trans)
+    if ctx.needs_input_grad[1]:
+        per_expert = _per_local_expert(ctx.recv, weight.size(0), grad_y.device)
+        grad_w = ops.grouped_mm_grad_weight(grad_y, permuted, per_expert)
+        grad_w = grad_w if ctx.trans else grad_w.transpose(1, 2).contiguous()
+    return grad_x, grad_w, None, None, None, None, None
 
 
-def _expert_major(recv_counts, ep_size, local):
-    """Order that takes received rows (source-major, then local expert) to local-expert-major."""
-    starts, at = [], 0
-    for n in recv_counts:
-        starts.append(at)
-        at += n
-    order = [starts[s * local + e] + i for e in range(local) for s in range(ep_size)
-             for i in range(recv_counts[s * local + e])]
-    return torch.tensor(order, dtype=torch.int64)
+def _gmm_alltoallv_setup(ctx, inputs, output):
+    x, weight, ctx.group, ctx.ep_size, ctx.send, ctx.recv, ctx.trans = inputs
+    ctx.save_for_backward(x, weight)
 
 
-def _check(x, weight, send_counts, recv_counts, ep_size, name):
-    if weight.dim() != 3 or x.dim() != 2 or x.size(1) != weight.size(2):
-        raise ValueError(f"{name}: x [rows, in] and weight [local experts, out, in] expected, "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{name}: x and weight must share one dtype of bfloat16, float16 or float32 "
-                         f"(aclnn grouped matmul), got {x.dtype} and {weight.dtype}")
-    local = weight.size(0)
-    if len(recv_counts) != ep_size * local:
-        raise ValueError(f"{name}: recv_counts has {len(recv_counts)} entries; ep size {ep_size} × "
-                         f"{local} local experts = {ep_size * local} are needed")
-    if len(send_counts) != ep_size * local:
-        raise ValueError(f"{name}: send_counts has {len(send_counts)} entries; one per global expert "
-                         f"({ep_size * local}) is needed")
-    if min(list(send_counts) + list(recv_counts), default=0) < 0:
-        raise ValueError(f"{name}: counts must be non-negative")
-    return local
+def _gmm_alltoallv_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_rows = ops.alltoallv_grouped_mm(grad.contiguous(), weight, ctx.group, ctx.ep_size, ctx.recv, ctx.send,
+                                                 not ctx.trans)
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = ops.grouped_mm_grad_weight(grad_rows, x, _per_local_expert(ctx.send, weight.size(0), x.device))
+        grad_w = grad_w if ctx.trans else grad_w.transpose(1, 2).contiguous()
+    return grad_x, grad_w, None, None, None, None, None
 
 
-def _per_rank(counts, ep_size, local):
-    return [sum(counts[p * local:(p + 1) * local]) for p in range(ep_size)]
+torch.library.register_autograd("fsdpturbo::alltoallv_grouped_mm", _alltoallv_gmm_backward,
+                                setup_context=_alltoallv_gmm_setup)
+torch.library.register_autograd("fsdpturbo::grouped_mm_alltoallv", _gmm_alltoallv_backward,
+                                setup_context=_gmm_alltoallv_setup)
 
 
-def alltoallv_gmm(x, weight, comm, ep_size, send_counts, recv_counts):
-    """`npu_alltoallv_gmm`: rows of x (grouped by global expert, `send_counts` per expert) to
-    their experts' ranks, then the grouped matmul with my local experts' `weight` [L, out, in].
-    Returns the output local-expert-major [received rows, out] and the order used."""
-    local = _check(x, weight, send_counts, recv_counts, ep_size, "alltoallv_gmm")
-    if x.size(0) != sum(send_counts):
-        raise ValueError(f"alltoallv_gmm: send_counts sum to {sum(send_counts)} rows but x has {x.size(0)}")
-    received = ops.hccl_all_to_all_v(x.contiguous(), comm, _per_rank(recv_counts, ep_size, local),
-                                     _per_rank(send_counts, ep_size, local))
-    order = _expert_major(recv_counts, ep_size, local).to(x.device)
-    per_expert = torch.tensor([sum(recv_counts[s * local + e] for s in range(ep_size)) for e in range(local)],
-                              dtype=torch.int64)
-    grouped = ops.moe_permute(received, order, 1)
-    return ops.grouped_mm(grouped, per_expert.to(x.device), weight), order
+def _out_features(weight, trans_weight):
+    return weight.size(1) if trans_weight else weight.size(2)
 
 
-def gmm_alltoallv(y, weight, comm, ep_size, recv_counts, send_counts, order):
-    """`npu_gmm_alltoallv`: the grouped matmul of local-expert-major rows `y` with `weight`
-    [L, out, in], back to source order and to the ranks the rows came from. Returns
-    [sum(send_counts), out] in the sender's order."""
-    local = _check(y, weight, send_counts, recv_counts, ep_size, "gmm_alltoallv")
-    if y.size(0) != sum(recv_counts):
-        raise ValueError(f"gmm_alltoallv: recv_counts sum to {sum(recv_counts)} rows but y has {y.size(0)}")
-    per_expert = torch.tensor([sum(recv_counts[s * local + e] for s in range(ep_size)) for e in range(local)],
-                              dtype=torch.int64)
-    out = ops.grouped_mm(y.contiguous(), per_expert.to(y.device), weight)
-    source_order = ops.moe_unpermute(out, order, None, out.size(0), 1)
-    return ops.hccl_all_to_all_v(source_order, comm, _per_rank(send_counts, ep_size, local),
-                                 _per_rank(recv_counts, ep_size, local))
+@torch.library.register_fake("fsdpturbo::alltoallv_grouped_mm")
+def _alltoallv_gmm_fake(x, weight, group, ep_world_size, send_counts, recv_counts, trans_weight):
+    rows = sum(recv_counts)
+    return x.new_empty((rows, _out_features(weight, trans_weight))), x.new_empty((rows, x.size(1)))
+
+
+@torch.library.register_fake("fsdpturbo::grouped_mm_alltoallv")
+def _gmm_alltoallv_fake(x, weight, group, ep_world_size, send_counts, recv_counts, trans_weight):
+    return x.new_empty((sum(recv_counts), _out_features(weight, trans_weight)))
+
+
+def alltoallv_gmm(x, weight, group, send_counts, recv_counts):
+    """The seed's `all2all_grouped_matmul`: rows of x (grouped by global expert, `send_counts`
+    per expert) to their experts' ranks of `group`, times my local experts' `weight`
+    [L, out, in]. Returns [sum(recv_counts), out], local-expert-major."""
+    y, _ = ops.alltoallv_grouped_mm(x.contiguous(), weight, comm_name(group), dist.get_world_size(group),
+                                    list(send_counts), list(recv_counts), True)
+    return y
+
+
+def gmm_alltoallv(y, weight, group, send_counts, recv_counts):
+    """The seed's `grouped_matmul_all2all`: local-expert-major rows `y` times `weight`
+    [L, out, in], back to the ranks they came from (`send_counts[r·L + j]` rows of my expert j
+    return to rank r). Returns [sum(recv_counts), out] in the order the rows were sent."""
+    return ops.grouped_mm_alltoallv(y.contiguous(), weight, comm_name(group), dist.get_world_size(group),
+                                    list(send_counts), list(recv_counts), True)
 
 
 def mc2_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The mc2 dispatcher's forward (seed §5.4) for an expert module prepared by
     `expert_parallelize_modules`."""
-    from .ep import _check_ids, _gathered_counts, _local_weight, _prepare
+    from .ep import _check_ids, _gathered_counts, _local_weight, _prepare, _shaped_like
 
     hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
-    tokens, top_k = index.shape
+    top_k = index.size(1)
     num_experts, local = module.num_global_experts, module.num_local_experts
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    check_ep_size(ep_size, on_npu=not _TEST_DOUBLE)
     flat = index.reshape(-1)
-    routed = {}
-
-    def count(_flat):
-        routed["counts"], routed["permutation"], _ = ops.moe_route(index, num_experts, ep_size)
-        return routed["counts"]
-
-    gathered = _gathered_counts([flat], num_experts, ep_group, count)
+    gathered = _gathered_counts([flat], num_experts, ep_group)
     _check_ids(flat, top_k, num_experts, gathered, ep_group)
-    send_counts = routed["counts"].tolist()
-    recv_counts = gathered[:, 0, ep_rank * local:(ep_rank + 1) * local].reshape(-1).tolist()
-    comm = communicator(ep_group)
-    permuted = ops.moe_permute(hidden.contiguous(), routed["permutation"], top_k)
+    counts = gathered[:, 0, :num_experts].tolist()                  # one host copy for every count
+    send_counts = counts[ep_rank]
+    recv_counts = [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]
+    permuted, slot_rows = ops.moe_token_permute(hidden.contiguous(), index)
     gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
-    fc1, order = alltoallv_gmm(permuted, gate_up, comm, ep_size, send_counts, recv_counts)
-    gate, up = fc1.chunk(2, dim=-1)
+    gate, up = alltoallv_gmm(permuted, gate_up, ep_group, send_counts, recv_counts).chunk(2, dim=-1)
     limit = getattr(module, "limit", None)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    y = gmm_alltoallv(module.act_fn(gate) * up, down, comm, ep_size, recv_counts, send_counts, order)
-    result = ops.moe_unpermute(y, routed["permutation"], weights, tokens, top_k)
-    return result.view(hidden_states.shape)
+    y = gmm_alltoallv(module.act_fn(gate) * up, down, ep_group, recv_counts, send_counts)
+    return _shaped_like(ops.moe_token_unpermute(y, slot_rows, weights), hidden_states)

@@ -1,5 +1,6 @@
 """Autograd and fake (meta) registrations of the MoE ops of the op library: routing,
-permute/unpermute and the experts' grouped matmul (`torch.ops.fsdpturbo.*`)."""
+permute/unpermute (by rows, and the seed's token contract by expert ids) and the experts'
+grouped matmul (`torch.ops.fsdpturbo.*`)."""
 import torch
 
 from ._native import ops
@@ -39,6 +40,40 @@ def _unpermute_backward(ctx, grad):
     return grad_permuted, None, grad_probs, None, None
 
 
+def _token_permute_setup(ctx, inputs, output):
+    tokens, indices = inputs
+    ctx.save_for_backward(output[1])
+    ctx.tokens, ctx.top_k = tokens.size(0), indices.size(1) if indices.dim() == 2 else 1
+
+
+def _token_permute_backward(ctx, grad, _grad_sorted_indices):
+    # Each token was copied to top_k rows: its gradient is their sum, an unpermute with unit weights.
+    (sorted_indices,) = ctx.saved_tensors
+    ones = grad.new_ones((ctx.tokens, ctx.top_k)) if ctx.top_k > 1 else None
+    return ops.moe_token_unpermute(grad.contiguous(), sorted_indices, ones), None
+
+
+def _token_unpermute_setup(ctx, inputs, output):
+    permuted, sorted_indices, probs = inputs
+    ctx.save_for_backward(permuted, sorted_indices, probs)
+    ctx.has_probs = probs is not None
+
+
+def _token_unpermute_backward(ctx, grad):
+    permuted, sorted_indices, probs = ctx.saved_tensors
+    rows = sorted_indices.long()
+    top_k = probs.size(1) if ctx.has_probs else 1
+    per_slot = grad.unsqueeze(1).expand(-1, top_k, -1)
+    if ctx.has_probs:
+        per_slot = per_slot * probs.unsqueeze(-1).to(grad.dtype)
+    grad_permuted = grad.new_empty(permuted.shape).index_copy_(0, rows, per_slot.reshape(-1, grad.size(1)))
+    grad_probs = None
+    if ctx.has_probs and ctx.needs_input_grad[2]:
+        per_slot_rows = permuted.index_select(0, rows).view(grad.size(0), top_k, -1)
+        grad_probs = (per_slot_rows * grad.unsqueeze(1)).sum(-1).to(probs.dtype)
+    return grad_permuted, None, grad_probs
+
+
 def _grouped_mm_setup(ctx, inputs, output):
     x, counts, weight = inputs
     ctx.save_for_backward(x, counts, weight)
@@ -55,6 +90,22 @@ def _grouped_mm_backward(ctx, grad):
 torch.library.register_autograd("fsdpturbo::moe_permute", _permute_backward, setup_context=_permute_setup)
 torch.library.register_autograd("fsdpturbo::moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)
 torch.library.register_autograd("fsdpturbo::grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup)
+torch.library.register_autograd("fsdpturbo::moe_token_permute", _token_permute_backward,
+                                setup_context=_token_permute_setup)
+torch.library.register_autograd("fsdpturbo::moe_token_unpermute", _token_unpermute_backward,
+                                setup_context=_token_unpermute_setup)
+
+
+@torch.library.register_fake("fsdpturbo::moe_token_permute")
+def _moe_token_permute_fake(tokens, indices):
+    rows = tokens.size(0) * (indices.size(1) if indices.dim() == 2 else 1)
+    return tokens.new_empty((rows, tokens.size(1))), tokens.new_empty((rows,), dtype=torch.int32)
+
+
+@torch.library.register_fake("fsdpturbo::moe_token_unpermute")
+def _moe_token_unpermute_fake(permuted, sorted_indices, probs):
+    top_k = probs.size(1) if probs is not None else 1
+    return permuted.new_empty((sorted_indices.numel() // top_k, permuted.size(1)))
 
 
 @torch.library.register_fake("fsdpturbo::moe_route")

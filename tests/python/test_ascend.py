@@ -271,3 +271,32 @@ def test_token_permute_and_unpermute_on_cpu_follow_the_seed_contract():
         ops.moe_token_permute(tokens, ids.float())
     with pytest.raises(ValueError, match=r"probs must be \[tokens, top_k\] with tokens \* top_k = 8"):
         ops.moe_token_unpermute(permuted, rows, probs[:3])
+
+
+def _comm_name_rank(rank, world):
+    from fsdpturbo import mc2
+
+    torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does
+    calls = []
+
+    class Backend:
+        def get_hccl_comm_name(self, global_rank):
+            calls.append(("get_hccl_comm_name", global_rank))
+            return "hccl_world_group_7"
+
+    class Group:
+        def _get_backend(self, device):
+            calls.append(("_get_backend", device))
+            return Backend()
+
+    assert mc2.comm_name(Group()) == "hccl_world_group_7"
+    assert calls == [("_get_backend", torch.device("npu")), ("get_hccl_comm_name", dist.get_rank())]
+    with pytest.raises(RuntimeError, match=r"no HCCL backend with get_hccl_comm_name .* backend 'hccl' under "
+                                           r"torch_npu"):
+        mc2.comm_name(dist.group.WORLD)  # gloo: no npu backend
+
+
+def test_mc2_takes_the_process_groups_hccl_comm_name():
+    """On an NPU the name comes from torch_npu's ProcessGroupHCCL, as the seed reads it:
+    group._get_backend(torch.device("npu")).get_hccl_comm_name(global rank)."""
+    run_ranks(_comm_name_rank, 1)

@@ -86,8 +86,9 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
         from . import mc2
 
         if not mc2.available():
-            raise RuntimeError("The 'mc2' dispatcher runs only on Ascend NPUs (HCCL AllToAllV + aclnn grouped "
-                               "matmul); this host has no NPU. Use 'eager', 'fused' or 'domino'.")
+            raise RuntimeError("The 'mc2' dispatcher runs only on Ascend NPUs (the MC2 operators "
+                               "aclnnAlltoAllvGroupedMatMul / aclnnGroupedMatMulAlltoAllv); this host has no NPU. "
+                               "Use 'eager', 'fused' or 'domino'.")
         return functools.partial(mc2.mc2_forward, ep_group=ep_group, fixed_router=fixed_router)
     raise RuntimeError(f"Unsupported dispatcher {dispatcher}.")
 

@@ -102,6 +102,7 @@ void launch_gmm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 
 // aclnnMoeTokenPermute: the rows of `tokens` in the stable order of `indices`, and every slot's row.
 std::tuple<at::Tensor, at::Tensor> moe_token_permute_npu(const at::Tensor& tokens, const at::Tensor& indices) {
+  const char* name = "moe_token_permute";
   const char* op = "fsdpturbo::moe_token_permute";
   int64_t top_k = check_token_permute(tokens, indices);
   auto src = tokens.contiguous();
@@ -111,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor> moe_token_permute_npu(const at::Tensor& token
   if (sorted.numel() == 0) return {permuted, sorted};
   Workspaces workspaces{tokens.device(), {}};
   NpuView vt(src), vi(ids), vp(permuted), vs(sorted);
-  check(fsdpturbo_npu_moe_token_permute(npu_dtype(src, op), &vt.view, &vi.view, &vp.view, &vs.view,
-                                        &allocate_workspace, &workspaces, stream_for(src, op)),
+  check(fsdpturbo_npu_moe_token_permute(npu_dtype(src, name), &vt.view, &vi.view, &vp.view, &vs.view,
+                                        &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return {permuted, sorted};
 }
@@ -120,6 +121,7 @@ std::tuple<at::Tensor, at::Tensor> moe_token_permute_npu(const at::Tensor& token
 // aclnnMoeTokenUnpermute; probs are first rounded to the tokens' dtype, as the host kernels do.
 at::Tensor moe_token_unpermute_npu(const at::Tensor& permuted, const at::Tensor& sorted_indices,
                                    const std::optional<at::Tensor>& probs) {
+  const char* name = "moe_token_unpermute";
   const char* op = "fsdpturbo::moe_token_unpermute";
   int64_t top_k = check_token_unpermute(permuted, sorted_indices, probs);
   auto src = permuted.contiguous();
@@ -132,8 +134,8 @@ at::Tensor moe_token_unpermute_npu(const at::Tensor& permuted, const at::Tensor&
   NpuView vp(src), vs(rows), vo(out);
   std::optional<NpuView> vw;
   if (weights) vw.emplace(*weights);
-  check(fsdpturbo_npu_moe_token_unpermute(npu_dtype(src, op), &vp.view, &vs.view, vw ? &vw->view : nullptr, &vo.view,
-                                          &allocate_workspace, &workspaces, stream_for(src, op)),
+  check(fsdpturbo_npu_moe_token_unpermute(npu_dtype(src, name), &vp.view, &vs.view, vw ? &vw->view : nullptr, &vo.view,
+                                          &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return out;
 }
@@ -188,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_npu(const at::Tensor& x,
                                                             c10::string_view group, int64_t ep_world_size,
                                                             c10::IntArrayRef send_counts,
                                                             c10::IntArrayRef recv_counts, bool trans_weight) {
+  const char* name = "alltoallv_grouped_mm";
   const char* op = "fsdpturbo::alltoallv_grouped_mm";
   int64_t out = check_mc2(x, weight, ep_world_size, send_counts, recv_counts, trans_weight, op);
   auto src = x.contiguous(), w = weight.contiguous();
@@ -196,8 +199,8 @@ std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_npu(const at::Tensor& x,
   Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
   Workspaces workspaces{x.device(), {}};
   NpuView vx(src), vw(w), vy(y), vp(permuted);
-  check(fsdpturbo_npu_alltoallv_grouped_matmul(npu_dtype(src, op), &vx.view, &vw.view, &exchange.spec, &vy.view,
-                                               &vp.view, &allocate_workspace, &workspaces, stream_for(src, op)),
+  check(fsdpturbo_npu_alltoallv_grouped_matmul(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
+                                               &vp.view, &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return {y, permuted};
 }
@@ -207,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_npu(const at::Tensor& x,
 at::Tensor grouped_mm_alltoallv_npu(const at::Tensor& x, const at::Tensor& weight, c10::string_view group,
                                     int64_t ep_world_size, c10::IntArrayRef send_counts, c10::IntArrayRef recv_counts,
                                     bool trans_weight) {
+  const char* name = "grouped_mm_alltoallv";
   const char* op = "fsdpturbo::grouped_mm_alltoallv";
   int64_t out = check_mc2(x, weight, ep_world_size, send_counts, recv_counts, trans_weight, op);
   auto src = x.contiguous(), w = weight.contiguous();
@@ -214,8 +218,8 @@ at::Tensor grouped_mm_alltoallv_npu(const at::Tensor& x, const at::Tensor& weigh
   Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
   Workspaces workspaces{x.device(), {}};
   NpuView vx(src), vw(w), vy(y);
-  check(fsdpturbo_npu_grouped_matmul_alltoallv(npu_dtype(src, op), &vx.view, &vw.view, &exchange.spec, &vy.view,
-                                               &allocate_workspace, &workspaces, stream_for(src, op)),
+  check(fsdpturbo_npu_grouped_matmul_alltoallv(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
+                                               &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return y;
 }

@@ -363,7 +363,7 @@ pub extern "C" fn fsdpturbo_clip_grad_norm_comm(
     boundary(|| {
         let mut entries = Vec::new();
         for (i, g) in arg_slice(groups, n_groups, "groups")?.iter().enumerate() {
-            let mut dims = arg_slice(g.dims, g.n_dims, &format!("groups[{i}].dims"))?.to_vec();
+            let mut dims = arg_slice(g.dims, g.n_dims, format_args!("groups[{i}].dims"))?.to_vec();
             dims.sort_unstable();
             dims.dedup();
             entries.push((dims, arg_ref(g.comm, &format!("groups[{i}].comm"))?));

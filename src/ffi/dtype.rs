@@ -23,7 +23,8 @@ pub(crate) enum Dtype {
 
 impl Dtype {
     /// The element type of argument `name`, or an error naming it and what is accepted.
-    pub(crate) fn of(code: i32, name: &str) -> Result<Dtype, FfiError> {
+    /// `name` is formatted only when `code` is refused.
+    pub(crate) fn of(code: i32, name: impl std::fmt::Display) -> Result<Dtype, FfiError> {
         match code {
             FSDPTURBO_DTYPE_F32 => Ok(Dtype::F32),
             FSDPTURBO_DTYPE_F64 => Ok(Dtype::F64),

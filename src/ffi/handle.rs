@@ -41,12 +41,17 @@ pub(crate) fn arg_str<'a>(ptr: *const c_char, name: &str) -> Result<&'a str, Ffi
 }
 
 /// An array argument of `len` elements; NULL is accepted when `len` is 0.
-pub(crate) fn arg_slice<'a, T>(ptr: *const T, len: usize, name: &str) -> Result<&'a [T], FfiError> {
+/// `name` is formatted only when the argument is refused (pass `format_args!` for an indexed name).
+pub(crate) fn arg_slice<'a, T>(
+    ptr: *const T,
+    len: usize,
+    name: impl std::fmt::Display,
+) -> Result<&'a [T], FfiError> {
     if len == 0 {
         return Ok(&[]);
     }
     if ptr.is_null() {
-        return Err(null(name));
+        return Err(null(&name.to_string()));
     }
     // SAFETY: the caller guarantees `len` readable elements.
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })

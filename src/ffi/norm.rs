@@ -124,7 +124,12 @@ fn clip_options(ptr: *const fsdpturbo_clip_options_t) -> Result<ClipOptions, Ffi
 
 /// Checks that `numel` elements of `dtype` at `ptr` may be viewed as a slice: non-NULL (unless
 /// empty), aligned, and at most isize::MAX bytes. Returns the byte length.
-fn check_data(ptr: *const c_void, numel: usize, dtype: Dtype, name: &str) -> Result<usize, FfiError> {
+fn check_data(
+    ptr: *const c_void,
+    numel: usize,
+    dtype: Dtype,
+    name: impl std::fmt::Display,
+) -> Result<usize, FfiError> {
     if numel == 0 {
         return Ok(0);
     }
@@ -184,8 +189,8 @@ fn host_buf_mut<'a>(ptr: *mut c_void, numel: usize, dtype: Dtype) -> HostBufMut<
 }
 
 fn layout_of(grad: &fsdpturbo_grad_t, i: usize) -> Result<GradLayout, FfiError> {
-    let dims = arg_slice(grad.dims, grad.n_dims, &format!("grads[{i}].dims"))?;
-    let roles = arg_slice(grad.roles, grad.n_dims, &format!("grads[{i}].roles"))?;
+    let dims = arg_slice(grad.dims, grad.n_dims, format_args!("grads[{i}].dims"))?;
+    let roles = arg_slice(grad.roles, grad.n_dims, format_args!("grads[{i}].roles"))?;
     let mut layout = Vec::with_capacity(dims.len());
     for (j, (&dim, &role)) in dims.iter().zip(roles).enumerate() {
         let role = match role {
@@ -356,9 +361,9 @@ pub extern "C" fn fsdpturbo_clip_grad_norm(
 fn mutable_buffers<'a>(grads: &[fsdpturbo_grad_t]) -> Result<Vec<(usize, HostBufMut<'a>)>, FfiError> {
     let mut regions = Vec::new();
     for (i, grad) in grads.iter().enumerate() {
-        let dtype = Dtype::of(grad.dtype, &format!("grads[{i}].dtype"))?;
+        let dtype = Dtype::of(grad.dtype, format_args!("grads[{i}].dtype"))?;
         let bytes =
-            check_data(grad.mut_data.cast_const(), grad.numel, dtype, &format!("grads[{i}].mut_data"))?;
+            check_data(grad.mut_data.cast_const(), grad.numel, dtype, format_args!("grads[{i}].mut_data"))?;
         if !grad.data.is_null() && grad.data != grad.mut_data.cast_const() {
             return Err(invalid(format!(
                 "`grads[{i}].data` must be NULL or equal to `mut_data` here: gradients are read and \
@@ -413,13 +418,13 @@ pub extern "C" fn fsdpturbo_local_power_sum(
         let grads = arg_slice(grads, n_grads, "grads")?;
         let mut bufs = Vec::with_capacity(grads.len());
         for (i, grad) in grads.iter().enumerate() {
-            let dtype = Dtype::of(grad.dtype, &format!("grads[{i}].dtype"))?;
-            let (ptr, name) = if grad.data.is_null() && !grad.mut_data.is_null() {
-                (grad.mut_data.cast_const(), format!("grads[{i}].mut_data"))
+            let dtype = Dtype::of(grad.dtype, format_args!("grads[{i}].dtype"))?;
+            let (ptr, field) = if grad.data.is_null() && !grad.mut_data.is_null() {
+                (grad.mut_data.cast_const(), "mut_data")
             } else {
-                (grad.data, format!("grads[{i}].data"))
+                (grad.data, "data")
             };
-            check_data(ptr, grad.numel, dtype, &name)?;
+            check_data(ptr, grad.numel, dtype, format_args!("grads[{i}].{field}"))?;
             bufs.push(host_buf(ptr, grad.numel, dtype));
         }
         write_out(out_value, "out_value", norm::local_power_sum(&bufs, norm, accumulate_f64))

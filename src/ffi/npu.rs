@@ -58,8 +58,8 @@ fn view<'a>(v: *const fsdpturbo_npu_view_t, dtype: i32, name: &str) -> Result<Vi
     let v = arg_ref(v, name)?;
     Ok(View {
         dtype,
-        dims: arg_slice(v.dims, v.ndim, &format!("{name}.dims"))?,
-        strides: arg_slice(v.strides, v.ndim, &format!("{name}.strides"))?,
+        dims: arg_slice(v.dims, v.ndim, format_args!("{name}.dims"))?,
+        strides: arg_slice(v.strides, v.ndim, format_args!("{name}.strides"))?,
         offset: v.offset,
         storage_len: v.storage_len,
         storage: v.storage,

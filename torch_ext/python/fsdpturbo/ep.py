@@ -89,6 +89,7 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
             raise RuntimeError("The 'mc2' dispatcher runs only on Ascend NPUs (the MC2 operators "
                                "aclnnAlltoAllvGroupedMatMul / aclnnGroupedMatMulAlltoAllv); this host has no NPU. "
                                "Use 'eager', 'fused' or 'domino'.")
+        mc2.check_ep_size(dist.get_world_size(ep_group))
         return functools.partial(mc2.mc2_forward, ep_group=ep_group, fixed_router=fixed_router)
     raise RuntimeError(f"Unsupported dispatcher {dispatcher}.")
 

@@ -103,9 +103,9 @@ def comm_name(group):
                            f"initialise torch.distributed with backend 'hccl' under torch_npu") from e
 
 
-def check_ep_size(ep_size, on_npu=True):
+def check_ep_size(ep_size):
     """The ep sizes aclnnAlltoAllvGroupedMatMul accepts on Atlas A3 (the test double takes any)."""
-    if on_npu and ep_size not in EP_SIZES_ON_NPU:
+    if not _TEST_DOUBLE and ep_size not in EP_SIZES_ON_NPU:
         raise ValueError(f"mc2: the MC2 operators run with an ep size of {', '.join(map(str, EP_SIZES_ON_NPU))} "
                          f"(Atlas A3), got {ep_size}; use the 'fused' dispatcher for other sizes")
 
@@ -198,7 +198,6 @@ def mc2_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, 
     top_k = index.size(1)
     num_experts, local = module.num_global_experts, module.num_local_experts
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    check_ep_size(ep_size, on_npu=not _TEST_DOUBLE)
     flat = index.reshape(-1)
     gathered = _gathered_counts([flat], num_experts, ep_group)
     _check_ids(flat, top_k, num_experts, gathered, ep_group)

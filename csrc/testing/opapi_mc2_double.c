@@ -182,6 +182,11 @@ static aclnnStatus alltoallv_gmm_compute(Obj *e, aclrtStream stream) {
   size_t es = double_dtype_size(x->dtype), row = (size_t)h * es;
   unsigned char *sent = rows_of(x), *received = (unsigned char *)malloc((size_t)a * row + 1);
   aclnnStatus status = move_rows(e, "aclnnAlltoAllvGroupedMatMul/all-to-all", sent, e->send, received, e->recv, h, stream);
+  free(sent);
+  if (status != 0) {
+    free(received);
+    return status;
+  }
   unsigned char *permuted = (unsigned char *)malloc((size_t)a * row + 1);
   int64_t source_major[256], expert_major[256], group_rows[32] = {0};
   block_offsets(e->recv, ranks, experts, source_major, expert_major);
@@ -193,7 +198,6 @@ static aclnnStatus alltoallv_gmm_compute(Obj *e, aclrtStream stream) {
   grouped_matmul(e, permuted, a, h, group_rows, out);
   store_rows(y, out);
   if (permute_out) store_rows(permute_out, permuted);
-  free(sent);
   free(received);
   free(permuted);
   free(out);
@@ -263,7 +267,7 @@ static aclnnStatus gmm_alltoallv_compute(Obj *e, aclrtStream stream) {
   unsigned char *back = (unsigned char *)malloc((size_t)y->dims[0] * row + 1);
   aclnnStatus status = move_rows(e, "aclnnGroupedMatMulAlltoAllv/all-to-all", unpermuted, e->send, back, e->recv, n,
                                  stream);
-  store_rows(y, back);
+  if (status == 0) store_rows(y, back);
   free(in);
   free(products);
   free(unpermuted);

@@ -291,8 +291,9 @@ def _comm_name_rank(rank, world):
             calls.append(("_get_backend", device))
             return Backend()
 
-    assert mc2.comm_name(Group()) == "hccl_world_group_7"
-    assert calls == [("_get_backend", torch.device("npu")), ("get_hccl_comm_name", dist.get_rank())]
+    group = Group()
+    assert mc2.comm_name(group) == "hccl_world_group_7" and mc2.comm_name(group) == "hccl_world_group_7"
+    assert calls == [("_get_backend", torch.device("npu")), ("get_hccl_comm_name", dist.get_rank())]  # cached
     with pytest.raises(RuntimeError, match=r"no HCCL backend with get_hccl_comm_name .* backend 'hccl' under "
                                            r"torch_npu"):
         mc2.comm_name(dist.group.WORLD)  # gloo: no npu backend

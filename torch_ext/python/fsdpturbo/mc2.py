@@ -37,6 +37,7 @@ lib.fsdpturbo_hccl_comm_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctype
 lib.fsdpturbo_hccl_comm_free.restype = None
 lib.fsdpturbo_hccl_comm_free.argtypes = [ctypes.c_void_p]
 
+_COMM_NAMES = {}  # process group -> its HCCL communicator's name (groups live as long as the program)
 _TEST_COMMS = {}
 _TEST_DOUBLE = False
 
@@ -95,12 +96,14 @@ def comm_name(group):
         if key not in _TEST_COMMS:
             _TEST_COMMS[key] = _TestCommunicator(group)
         return _TEST_COMMS[key].name
-    try:
-        backend = group._get_backend(torch.device("npu"))
-        return backend.get_hccl_comm_name(dist.get_rank())
-    except (AttributeError, RuntimeError) as e:
-        raise RuntimeError(f"mc2: the EP process group has no HCCL backend with get_hccl_comm_name ({e}); "
-                           f"initialise torch.distributed with backend 'hccl' under torch_npu") from e
+    if group not in _COMM_NAMES:
+        try:
+            backend = group._get_backend(torch.device("npu"))
+            _COMM_NAMES[group] = backend.get_hccl_comm_name(dist.get_rank())
+        except (AttributeError, RuntimeError) as e:
+            raise RuntimeError(f"mc2: the EP process group has no HCCL backend with get_hccl_comm_name ({e}); "
+                               f"initialise torch.distributed with backend 'hccl' under torch_npu") from e
+    return _COMM_NAMES[group]
 
 
 def check_ep_size(ep_size):

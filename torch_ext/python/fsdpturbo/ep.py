@@ -343,21 +343,28 @@ def _fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_grou
     return _shaped_like(result, hidden_states)
 
 
+def _host_counts(index, module, ep_group):
+    """The expert counts of every rank, all-gathered (ids checked) and copied to the host once:
+    my rows per global expert, and the rows each rank sends to each of my local experts
+    (source-major, [P·L])."""
+    num_experts, local = module.num_global_experts, module.num_local_experts
+    ep_rank = dist.get_rank(ep_group)
+    flat = index.reshape(-1)
+    gathered = _gathered_counts([flat], num_experts, ep_group)
+    _check_ids(flat, index.size(1), num_experts, gathered, ep_group)
+    counts = gathered[:, 0, :num_experts].tolist()
+    return counts[ep_rank], [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]
+
+
 def _fused_npu(module, hidden, index, weights, ep_group):
     """The fused dispatcher with the NPU kernels (seed §5.2, NPU column): counts by bincount on
     the device (one host copy of the gathered counts), both permutes by expert id
     (`aclnnMoeTokenPermute`), both combines by slot rows (`aclnnMoeTokenUnpermute`)."""
     from ._native import ops
 
-    top_k = index.size(1)
-    num_experts, local = module.num_global_experts, module.num_local_experts
-    ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    flat = index.reshape(-1)
-    gathered = _gathered_counts([flat], num_experts, ep_group)
-    _check_ids(flat, top_k, num_experts, gathered, ep_group)
-    counts = gathered[:, 0, :num_experts].tolist()
-    blocks = [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]  # (source, expert)
-    input_splits = [sum(counts[ep_rank][p * local:(p + 1) * local]) for p in range(ep_size)]
+    local, ep_size = module.num_local_experts, dist.get_world_size(ep_group)
+    sends, blocks = _host_counts(index, module, ep_group)
+    input_splits = [sum(sends[p * local:(p + 1) * local]) for p in range(ep_size)]
     output_splits = [sum(blocks[p * local:(p + 1) * local]) for p in range(ep_size)]
     tokens_per_local_expert = [sum(blocks[j::local]) for j in range(local)]
 

@@ -195,18 +195,10 @@ def gmm_alltoallv(y, weight, group, send_counts, recv_counts):
 def mc2_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The mc2 dispatcher's forward (seed §5.4) for an expert module prepared by
     `expert_parallelize_modules`."""
-    from .ep import _check_ids, _gathered_counts, _local_weight, _prepare, _shaped_like
+    from .ep import _host_counts, _local_weight, _prepare, _shaped_like
 
     hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
-    top_k = index.size(1)
-    num_experts, local = module.num_global_experts, module.num_local_experts
-    ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    flat = index.reshape(-1)
-    gathered = _gathered_counts([flat], num_experts, ep_group)
-    _check_ids(flat, top_k, num_experts, gathered, ep_group)
-    counts = gathered[:, 0, :num_experts].tolist()                  # one host copy for every count
-    send_counts = counts[ep_rank]
-    recv_counts = [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]
+    send_counts, recv_counts = _host_counts(index, module, ep_group)
     permuted, slot_rows = ops.moe_token_permute(hidden.contiguous(), index)
     gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
     gate, up = alltoallv_gmm(permuted, gate_up, ep_group, send_counts, recv_counts).chunk(2, dim=-1)

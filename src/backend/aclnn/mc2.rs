@@ -4,7 +4,9 @@
 
 use std::ffi::CStr;
 
-use super::{Aclnn, AclnnStatus, AclrtStream, Executor, IntArray, Tensor, View, Workspace};
+use super::{
+    Aclnn, AclnnStatus, AclrtStream, Executor, IntArray, OwnedIntArray, OwnedTensor, Tensor, View, Workspace,
+};
 use crate::error::{Error, Result};
 
 type Name = *const std::ffi::c_char;
@@ -50,7 +52,34 @@ impl Exchange<'_> {
     }
 }
 
+/// The descriptors both operators take: rows, weight, output and the two count arrays.
+struct Operands<'a> {
+    x: OwnedTensor<'a>,
+    weight: OwnedTensor<'a>,
+    out: OwnedTensor<'a>,
+    send: OwnedIntArray<'a>,
+    recv: OwnedIntArray<'a>,
+}
+
 impl Aclnn {
+    fn mc2_operands(
+        &self,
+        op: &str,
+        x: &View,
+        weight: &View,
+        exchange: &Exchange,
+        out: &View,
+    ) -> Result<Operands<'_>> {
+        exchange.check(op)?;
+        Ok(Operands {
+            x: self.tensor(x)?,
+            weight: self.tensor(weight)?,
+            out: self.tensor(out)?,
+            send: self.int_array(exchange.send_counts)?,
+            recv: self.int_array(exchange.recv_counts)?,
+        })
+    }
+
     /// `gmm_y = permute(all_to_all_v(x)) @ weight` per local expert, the permuted rows
     /// (local-expert-major) also written to `permute_out` when given.
     ///
@@ -69,35 +98,18 @@ impl Aclnn {
         stream: AclrtStream,
     ) -> Result<()> {
         let op = "aclnnAlltoAllvGroupedMatMul";
-        exchange.check(op)?;
         let (get, launch) = self.alltoallv_grouped_matmul.ok_or_else(|| self.missing(op))?;
-        let (x, w, y) = (self.tensor(x)?, self.tensor(weight)?, self.tensor(gmm_y)?);
+        let o = self.mc2_operands(op, x, weight, exchange, gmm_y)?;
         let permuted = permute_out.map(|v| self.tensor(v)).transpose()?;
-        let (send, recv) = (self.int_array(exchange.send_counts)?, self.int_array(exchange.recv_counts)?);
-        let null = std::ptr::null_mut();
+        let permuted_ptr = permuted.as_ref().map_or(std::ptr::null_mut(), |t| t.0);
+        let (null, group, trans) = (std::ptr::null_mut(), exchange.group.as_ptr(), exchange.trans_weight);
         let (mut bytes, mut executor) = (0u64, null);
-        // SAFETY: aclnn.h's signature; no count tensors, no shared-expert matmul.
+        // SAFETY: aclnn.h's signature; no count tensors, no shared-expert matmul (mmX, mmWeight,
+        // transMmWeight, mmY), permuteOutFlag set exactly when permute_out is given.
+        #[rustfmt::skip]
         let code = unsafe {
-            get(
-                x.0,
-                w.0,
-                null,
-                null,
-                null,
-                null,
-                exchange.group.as_ptr(),
-                exchange.ep_world_size,
-                send.0,
-                recv.0,
-                exchange.trans_weight,
-                false,
-                permuted.is_some(),
-                y.0,
-                null,
-                permuted.as_ref().map_or(null, |t| t.0),
-                &mut bytes,
-                &mut executor,
-            )
+            get(o.x.0, o.weight.0, null, null, null, null, group, exchange.ep_world_size, o.send.0, o.recv.0,
+                trans, false, permuted.is_some(), o.out.0, null, permuted_ptr, &mut bytes, &mut executor)
         };
         self.launch(op, code, bytes, executor, launch, workspace, stream)
     }
@@ -117,32 +129,15 @@ impl Aclnn {
         stream: AclrtStream,
     ) -> Result<()> {
         let op = "aclnnGroupedMatMulAlltoAllv";
-        exchange.check(op)?;
         let (get, launch) = self.grouped_matmul_alltoallv.ok_or_else(|| self.missing(op))?;
-        let (x, w, y) = (self.tensor(x)?, self.tensor(weight)?, self.tensor(y)?);
-        let (send, recv) = (self.int_array(exchange.send_counts)?, self.int_array(exchange.recv_counts)?);
-        let null = std::ptr::null_mut();
+        let o = self.mc2_operands(op, x, weight, exchange, y)?;
+        let (null, group, trans) = (std::ptr::null_mut(), exchange.group.as_ptr(), exchange.trans_weight);
         let (mut bytes, mut executor) = (0u64, null);
         // SAFETY: aclnn.h's signature; no count tensors, no shared-expert matmul.
+        #[rustfmt::skip]
         let code = unsafe {
-            get(
-                x.0,
-                w.0,
-                null,
-                null,
-                null,
-                null,
-                exchange.group.as_ptr(),
-                exchange.ep_world_size,
-                send.0,
-                recv.0,
-                exchange.trans_weight,
-                false,
-                y.0,
-                null,
-                &mut bytes,
-                &mut executor,
-            )
+            get(o.x.0, o.weight.0, null, null, null, null, group, exchange.ep_world_size, o.send.0, o.recv.0,
+                trans, false, o.out.0, null, &mut bytes, &mut executor)
         };
         self.launch(op, code, bytes, executor, launch, workspace, stream)
     }

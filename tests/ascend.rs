@@ -66,6 +66,8 @@ fn hccl_collectives_among_three_ranks() {
                 s.spawn(move || {
                     let comm = HcclCollective::new(&root, 3, rank).unwrap();
                     assert_eq!((comm.rank(), comm.world_size()), (rank, 3));
+                    let refused = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
+                    assert!(refused.message.contains("cannot reduce a host value"), "{}", refused.message);
                     let st = stream();
                     let r = rank as f32;
                     let send = [r + 1.0, 10.0 * r];
@@ -200,6 +202,17 @@ fn hccl_collectives_among_three_ranks() {
     );
 }
 
+fn counts_view<'a>(dims: &'a [i64], strides: &'a [i64], counts: &'a mut [i64]) -> View<'a> {
+    View {
+        dtype: ACL_INT64,
+        dims,
+        strides,
+        offset: 0,
+        storage_len: counts.len() as i64,
+        storage: counts.as_mut_ptr().cast(),
+    }
+}
+
 #[test]
 fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     let _g = setup();
@@ -217,14 +230,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     let (wd, ws) = ([g as i64, k as i64, n as i64], [(n * k) as i64, 1, k as i64]);
     let (yd, ys) = ([m as i64, n as i64], [n as i64, 1]);
     let (cd, cs) = ([g as i64], [1i64]);
-    let group = View {
-        dtype: ACL_INT64,
-        dims: &cd,
-        strides: &cs,
-        offset: 0,
-        storage_len: 3,
-        storage: counts.as_mut_ptr().cast(),
-    };
+    let group = counts_view(&cd, &cs, &mut counts);
     unsafe {
         api.grouped_matmul(
             &f32_view(&xd, &xs, 3, &mut x),
@@ -255,14 +261,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     let (td, ts) = ([k as i64, m as i64], [1i64, k as i64]);
     let (dd, ds) = ([m as i64, n as i64], [n as i64, 1]);
     let (od, os) = ([g as i64, k as i64, n as i64], [(k * n) as i64, n as i64, 1]);
-    let group = View {
-        dtype: ACL_INT64,
-        dims: &cd,
-        strides: &cs,
-        offset: 0,
-        storage_len: 3,
-        storage: counts.as_mut_ptr().cast(),
-    };
+    let group = counts_view(&cd, &cs, &mut counts);
     unsafe {
         api.grouped_matmul(
             &f32_view(&td, &ts, 3, &mut x),
@@ -287,14 +286,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     }
 
     // A workspace that cannot be allocated: the executor is destroyed, nothing launches.
-    let group = View {
-        dtype: ACL_INT64,
-        dims: &cd,
-        strides: &cs,
-        offset: 0,
-        storage_len: 3,
-        storage: counts.as_mut_ptr().cast(),
-    };
+    let group = counts_view(&cd, &cs, &mut counts);
     let err = unsafe {
         api.grouped_matmul(
             &f32_view(&xd, &xs, 3, &mut x),
@@ -310,14 +302,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     .unwrap_err();
     assert_eq!(err.message, "out of device memory");
     // A view past its storage is refused by aclCreateTensor; what was made is destroyed.
-    let group = View {
-        dtype: ACL_INT64,
-        dims: &cd,
-        strides: &cs,
-        offset: 0,
-        storage_len: 3,
-        storage: counts.as_mut_ptr().cast(),
-    };
+    let group = counts_view(&cd, &cs, &mut counts);
     let err = unsafe {
         api.grouped_matmul(
             &f32_view(&xd, &xs, 3, &mut x),

@@ -200,4 +200,14 @@ impl Collective for HcclCollective {
         };
         self.api.check(code, "HcclAlltoAllV")
     }
+
+    /// Refused: HCCL reduces device memory and the ACL runtime is not bound for staging a host
+    /// value (the grad norm reaches HCCL through torch_npu's process group, i.e. host callbacks).
+    fn all_reduce_host_f64(&self, _value: f64, _op: ReduceOp) -> Result<f64> {
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            "HcclCollective cannot reduce a host value: HCCL works on device memory; lend the process \
+             group through host callbacks for the grad norm",
+        ))
+    }
 }

@@ -117,8 +117,8 @@ pub trait Collective {
     ) -> Result<()>;
 
     /// Reduces one f64 that lives in host memory (the grad norm's per-set value) and returns the
-    /// result. Host transports reduce it in place; device transports (NCCL, HCCL) override this
-    /// to stage it through device memory and wait for the result.
+    /// result. Host transports reduce it in place; device transports override this (NCCL stages
+    /// it through device memory and waits; HCCL refuses).
     fn all_reduce_host_f64(&self, value: f64, op: ReduceOp) -> Result<f64> {
         let mut out = value;
         let send = (&value as *const f64).cast();

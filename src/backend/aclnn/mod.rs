@@ -170,7 +170,7 @@ impl Aclnn {
             let grouped_matmul =
                 GroupedMatmul::find(&libs).ok_or_else(|| missing("aclnnGroupedMatmulV5 or V4"))?;
             // Operators come from the operator libraries only, before libnnopbase joins the list.
-            let api = Aclnn {
+            let mut api = Aclnn {
                 create_tensor,
                 destroy_tensor,
                 create_tensor_list,
@@ -185,7 +185,8 @@ impl Aclnn {
                 destroy_executor: nnopbase.required("aclDestroyAclOpExecutor")?,
                 libs,
             };
-            Ok(Aclnn { libs: api.libs.into_iter().chain([nnopbase]).collect(), ..api })
+            api.libs.push(nnopbase);
+            Ok(api)
         }
     }
 

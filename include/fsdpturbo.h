@@ -243,9 +243,6 @@
 // Parameter roles (fsdpturbo_plan_param_role).
 #define FSDPTURBO_PARAM_EXPERT 0
 
-// A non-expert parameter inside an expert-FSDP unit (router, shared expert).
-#define FSDPTURBO_PARAM_EXPERT_FSDP 1
-
 // Listed in fsdp_ignored_modules: kept whole on every rank.
 #define FSDPTURBO_PARAM_IGNORED 2
 

@@ -29,12 +29,11 @@ pub enum ParamRole {
     /// An expert weight: `Shard(0)` over ep, then (efsdp > 1) `Shard(1)` (≥ 2-D) or
     /// `Shard(0)` (1-D) over efsdp; ignored by the outer FSDP2.
     Expert,
-    /// A non-expert parameter inside an EFSDP unit (router, shared expert): sharded over
-    /// efsdp like an expert weight, but not over ep.
-    ExpertFsdp,
     /// Listed in `fsdp_ignored_modules`: kept whole on every rank.
     Ignored,
-    /// Everything else: the outer FSDP2, `Shard(0)` over dp.
+    /// Everything else: the outer FSDP2, `Shard(0)` over dp. This includes the non-expert
+    /// parameters of EFSDP units (router, shared expert): every ep rank holds them whole, and
+    /// on the dp mesh a norm that reduces by mesh counts each once.
     Dense,
 }
 
@@ -335,7 +334,6 @@ pub fn resolve(input: &PlanInput) -> Result<Plan> {
     }
     let ignored_modules = ModuleSet::new(tree.modules.iter().filter(|m| user_ignored.is_match(m)));
     let expert_modules = ModuleSet::new(ep_modules.iter().map(|m| &m.name));
-    let efsdp_units = ModuleSet::new(efsdp_modules.iter());
 
     let roles = tree
         .params
@@ -345,8 +343,6 @@ pub fn resolve(input: &PlanInput) -> Result<Plan> {
                 ParamRole::Expert
             } else if ignored_modules.contains_ancestor_of(&param.name) {
                 ParamRole::Ignored
-            } else if efsdp_units.contains_ancestor_of(&param.name) {
-                ParamRole::ExpertFsdp
             } else {
                 ParamRole::Dense
             }
@@ -384,9 +380,6 @@ fn local_shape(param: &ParamInfo, role: ParamRole, topology: &Topology, coord: &
             if topology.efsdp_size > 1 {
                 shape[fsdp_dim] = chunk_len(shape[fsdp_dim], topology.efsdp_size, coord.efsdp);
             }
-        }
-        ParamRole::ExpertFsdp => {
-            shape[fsdp_dim] = chunk_len(shape[fsdp_dim], topology.efsdp_size, coord.efsdp);
         }
         ParamRole::Ignored => {}
         ParamRole::Dense => shape[0] = chunk_len(shape[0], topology.dp_size, coord.dp),

@@ -130,7 +130,7 @@ fn qwen3_moe_plan_under_ep_and_efsdp() {
         ]
     );
     let role = |name: &str| plan.role(&tree, name).unwrap();
-    assert_eq!(role("model.layers.0.mlp.gate.weight"), ParamRole::ExpertFsdp);
+    assert_eq!(role("model.layers.0.mlp.gate.weight"), ParamRole::Dense);
     assert_eq!(role("model.layers.1.mlp.gate_proj.weight"), ParamRole::Dense);
     assert_eq!(role("model.layers.0.self_attn.q_proj.weight"), ParamRole::Dense);
     assert_eq!(role("lm_head.weight"), ParamRole::Dense);

@@ -35,8 +35,7 @@ impl fsdpturbo_plan_t {
 
 /// Parameter roles (fsdpturbo_plan_param_role).
 pub const FSDPTURBO_PARAM_EXPERT: i32 = 0;
-/// A non-expert parameter inside an expert-FSDP unit (router, shared expert).
-pub const FSDPTURBO_PARAM_EXPERT_FSDP: i32 = 1;
+// 1 was FSDPTURBO_PARAM_EXPERT_FSDP: routers and shared experts are now DENSE (the outer FSDP2).
 /// Listed in fsdp_ignored_modules: kept whole on every rank.
 pub const FSDPTURBO_PARAM_IGNORED: i32 = 2;
 /// Managed by the outer FSDP2 over dp.
@@ -185,7 +184,6 @@ pub extern "C" fn fsdpturbo_plan_param_role(
             .ok_or_else(|| Error::invalid(format!("parameter {name:?} is not part of the planned model")))?;
         let role = match role {
             ParamRole::Expert => FSDPTURBO_PARAM_EXPERT,
-            ParamRole::ExpertFsdp => FSDPTURBO_PARAM_EXPERT_FSDP,
             ParamRole::Ignored => FSDPTURBO_PARAM_IGNORED,
             ParamRole::Dense => FSDPTURBO_PARAM_DENSE,
         };

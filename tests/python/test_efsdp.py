@@ -1,7 +1,7 @@
-"""`expert_fully_shard_modules` at the MoE-block level: with a context-parallel replica
-dimension (expert_cp) the gradients of experts and router equal the single-process gradient of
-the mean loss over every rank's tokens; the seed's errors for hook modules and
-implementations."""
+"""`expert_fully_shard_modules` at the MoE-block level, under the outer FSDP2 that owns the
+router and shared expert: with a context-parallel replica dimension (expert_cp) the gradients
+of experts and router equal the single-process gradient of the mean loss over every rank's
+tokens; the seed's errors for hook modules and implementations."""
 import pytest
 import torch
 
@@ -33,6 +33,7 @@ def _cp_rank_fn(rank, world, layouts):
 def _check_layout(rank, world, cp, ep, efsdp, family):
     import fsdpturbo
     from fsdpturbo.efsdp import FSDPPlanConfig, expert_fully_shard_modules
+    from fsdpturbo.engine import fully_shard_outer
     from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 
     state = fsdpturbo.ParallelState(world, cp_size=cp, ep_size=ep, efsdp_size=efsdp).init_device_meshes("cpu")
@@ -45,6 +46,9 @@ def _check_layout(rank, world, cp, ep, efsdp, family):
     plan = EPPlanConfig(apply_modules=["mlp.experts"], dispatcher="eager", apply_efsdp_modules=["mlp"])
     expert_parallelize_modules(layer, state.sub_mesh("ep"), plan)
     assert expert_fully_shard_modules(layer, state.sub_mesh("efsdp"), plan, FSDPPlanConfig(apply_modules={})) is layer
+    # The router and shared expert belong to the outer FSDP2 over dp (experts ignored there).
+    experts = list(layer.mlp.experts.parameters())
+    fully_shard_outer(layer, state.sub_mesh("dp"), float(world), ignored_params=experts)
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     _loss(layer, x[rows], cotangent[rows]).backward()
     expected = dict(reference.named_parameters())

@@ -94,13 +94,13 @@ def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, rou
         grad = param.grad.clone()
         dist.all_reduce(grad)
         torch.testing.assert_close(grad, ref_grads[name], **tol)
-    # Expert gradients: summed over the ranks holding the same experts (the replicas).
-    replicas = state.sub_mesh("efsdp").get_group()
+    # Expert gradients: EP alone sums them over the ranks holding the same experts (the
+    # replicas, here efsdp) and divides by F = world (each rank's loss here is a sum, not a
+    # mean, so F times the gradient is the reference's).
     local = num_experts // ep
     ep_rank = ep_mesh.get_local_rank()
     for name in ("gate_up_proj", "down_proj"):
-        grad = getattr(block.experts, name).grad.to_local().clone()
-        dist.all_reduce(grad, group=replicas)
+        grad = getattr(block.experts, name).grad.to_local() * world
         torch.testing.assert_close(grad, ref_grads[f"experts.{name}"][ep_rank * local:(ep_rank + 1) * local], **tol)
 
 

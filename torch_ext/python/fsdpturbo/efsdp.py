@@ -7,10 +7,11 @@ backward). The gradient the optimizer sees is the SUM of those contributions ove
 that holds a replica or a shard of the parameter, divided by one factor F:
 
 * FSDP2 reduce-scatters over its own mesh (SUM), then an all-reduce hook SUMs over the
-  replica groups: every other dim of the root mesh (for the expert mesh (edp, efsdp, ep,
-  expert_cp): edp and expert_cp for expert weights, which the ep dim shards; ep, edp and
-  expert_cp for the router and shared expert, which every ep rank holds whole; for the outer
-  FSDP2 over dp: cp), and FSDP2 divides by F.
+  replica groups: every other dim of the root mesh (for expert weights on the expert mesh
+  (edp, efsdp, ep, expert_cp): edp and expert_cp, the ep dim shards them; for the outer FSDP2
+  over dp, which also owns the router and shared expert: cp), and FSDP2 divides by F.
+* With expert parallelism alone (efsdp = 1, LlamaFactory calls no EFSDP) the EP forward's
+  backward does the same for the expert weights (`fsdpturbo.ep.expert_weight`).
 * F defaults to the world size (the plan's `gradient_divide_factor`): each rank's loss is the
   mean over its own equal share of the global batch, so the mean over the global batch is the
   sum over ranks divided by W. A trainer with another loss convention sets F
@@ -162,24 +163,20 @@ def _offload_policy(plan):
 
 
 def _shard_unit(unit, efsdp_mesh, plan, factor):
-    """One EFSDP unit: each expert module inside it is its own FSDP2 unit (its replicas: the root
-    dims other than efsdp and the experts' ep dims); what remains of `unit` (router, shared
-    expert) is another, whose replicas include ep (every ep rank holds it whole)."""
+    """One EFSDP unit: each expert module inside it becomes its own FSDP2 unit over efsdp (its
+    replicas: the root dims other than efsdp and the experts' ep dims), taking the gradient
+    reduction over from expert parallelism. What else `unit` holds (router, shared expert) is
+    left to the outer FSDP2 over dp: every ep rank holds it whole, and on the dp mesh each of
+    its gradients is counted once by any norm that reduces by mesh (LlamaFactory's included)."""
     from torch.distributed.fsdp import fully_shard
 
-    experts = _expert_modules(unit)
-    expert_params = {id(p) for m in experts for p in m.parameters()}
-    rest = [p for p in unit.parameters() if id(p) not in expert_params]
-    for module in experts:
+    for module in _expert_modules(unit):
         params = list(module.parameters())
         fully_shard(module, mesh=efsdp_mesh, shard_placement_fn=_shard_placement,
                     mp_policy=mixed_precision_policy(params, plan), offload_policy=_offload_policy(plan))
         ep_dims = {name for p in params for name in (p.device_mesh.mesh_dim_names or ())}
         configure_gradient_reduction(module, efsdp_mesh, factor, replica_groups(efsdp_mesh, ep_dims))
-    if rest:
-        fully_shard(unit, mesh=efsdp_mesh, shard_placement_fn=_shard_placement,
-                    mp_policy=mixed_precision_policy(rest, plan), offload_policy=_offload_policy(plan))
-        configure_gradient_reduction(unit, efsdp_mesh, factor, replica_groups(efsdp_mesh))
+        module.ep_gradient_reduction = None
 
 
 def expert_fully_shard_modules(model, efsdp_mesh, ep_plan, fsdp_plan):

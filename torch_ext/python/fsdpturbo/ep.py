@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
+from .efsdp import replica_groups
 from .pattern import match_modules
 
 DISPATCHERS = ("eager", "fused", "mc2", "domino")
@@ -94,16 +95,64 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
     raise RuntimeError(f"Unsupported dispatcher {dispatcher}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientReduction:
+    """What the backward does to an expert weight's gradient while expert parallelism alone
+    owns it: SUM over `groups` (the ranks holding replicas of the same experts), then divide
+    by `factor` (DESIGN §4.1)."""
+    groups: tuple
+    factor: float
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the backward applies a `GradientReduction` to the incoming gradient.
+    Linear, so it is right per micro-batch under gradient accumulation, and it runs once per
+    use of the weight, also when activation checkpointing recomputes the forward."""
+
+    @staticmethod
+    def forward(ctx, weight, reduction):
+        ctx.reduction = reduction
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        for group in ctx.reduction.groups:
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return grad.div_(ctx.reduction.factor), None
+
+
+def expert_weight(module, name):
+    """The local slice of expert weight `name` of an EP module, as the forward uses it. Until
+    `expert_fully_shard_modules` takes the module over, its backward reduces and divides the
+    gradient (`module.ep_gradient_reduction`)."""
+    weight = getattr(module, name)
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    reduction = getattr(module, "ep_gradient_reduction", None)
+    if reduction is not None and local.requires_grad:
+        local = _ReduceGradient.apply(local, reduction)
+    return local
+
+
 def expert_parallelize_modules(model, ep_mesh, plan):
     """Applies expert parallelism to every module matched by `plan.apply_modules` (seed §4.1):
     expert weights become `Shard(0)` DTensors on `ep_mesh`, the module gets `num_global_experts`,
     `num_local_experts`, `local_expert_indices` and `expert_ids_per_ep_rank`, and its forward is
-    replaced by the dispatcher's. Returns `model`."""
+    replaced by the dispatcher's. Returns `model`.
+
+    Gradients are right with expert parallelism alone (the seed leaves them unreduced, so with
+    efsdp = 1 they are dp× too large): each backward sums an expert weight's gradient over the
+    other dims of `ep_mesh`'s root mesh (edp, expert_cp; efsdp too if it is > 1 and EFSDP is
+    never applied) and divides it by `plan.gradient_divide_factor` (None: the world size).
+    `expert_fully_shard_modules`, when it follows, takes that over (no double reduction)."""
     if plan.dispatcher == "moonep":
         raise NotImplementedError("The 'moonep' dispatcher is not implemented by fsdpturbo.")
     ep_group = ep_mesh.get_group()
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router)
+    factor = plan.gradient_divide_factor
+    reduction = GradientReduction(tuple(replica_groups(ep_mesh)),
+                                  float(dist.get_world_size()) if factor is None else float(factor))
     for _, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
         num_experts = module.num_experts if hasattr(module, "num_experts") else len(module)
         if num_experts % ep_size:
@@ -117,6 +166,7 @@ def expert_parallelize_modules(model, ep_mesh, plan):
         # forward builds its tensor on the tokens' device.
         module.expert_ids_per_ep_rank = [i % local for i in range(num_experts)]
         distribute_expert_weights(module, ep_mesh)
+        module.ep_gradient_reduction = reduction
         module.forward = types.MethodType(forward, module)
     return model
 
@@ -192,14 +242,10 @@ def _inverse(permutation):
 # The pieces of a dispatch: permute, all-to-all, expert MLP, combine
 # ----------------------------------------------------------------------------------------------
 
-def _local_weight(weight):
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 def _experts_mlp(module, x, tokens_per_local_expert):
     """The expert MLP on rows grouped by local expert (seed `experts_computation`)."""
-    gate_up = _local_weight(module.gate_up_proj)
-    down = _local_weight(module.down_proj)
+    gate_up = expert_weight(module, "gate_up_proj")
+    down = expert_weight(module, "down_proj")
     limit = getattr(module, "limit", None)
     outputs, start = [], 0
     # Every local expert runs, also on zero rows, so each gets a (zero) weight gradient and
@@ -299,7 +345,7 @@ def _grouped_experts(module, grouped, per_expert, tokens_per_local_expert):
 
     if sum(tokens_per_local_expert) == 0:
         return _experts_mlp(module, grouped, tokens_per_local_expert)
-    gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
+    gate_up, down = expert_weight(module, "gate_up_proj"), expert_weight(module, "down_proj")
     gate, up = ops.grouped_mm(grouped, per_expert, gate_up).chunk(2, dim=-1)
     limit = getattr(module, "limit", None)
     if limit is not None:

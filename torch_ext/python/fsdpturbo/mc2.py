@@ -195,12 +195,12 @@ def gmm_alltoallv(y, weight, group, send_counts, recv_counts):
 def mc2_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
     """The mc2 dispatcher's forward (seed §5.4) for an expert module prepared by
     `expert_parallelize_modules`."""
-    from .ep import _host_counts, _local_weight, _prepare, _shaped_like
+    from .ep import _host_counts, _prepare, _shaped_like, expert_weight
 
     hidden, index, weights = _prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
     send_counts, recv_counts = _host_counts(index, module, ep_group)
     permuted, slot_rows = ops.moe_token_permute(hidden.contiguous(), index)
-    gate_up, down = _local_weight(module.gate_up_proj), _local_weight(module.down_proj)
+    gate_up, down = expert_weight(module, "gate_up_proj"), expert_weight(module, "down_proj")
     gate, up = alltoallv_gmm(permuted, gate_up, ep_group, send_counts, recv_counts).chunk(2, dim=-1)
     limit = getattr(module, "limit", None)
     if limit is not None:

@@ -105,9 +105,9 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
     def prepare_model_ep(self, model):
         """The seed's EP step: the model type's spec (also required with ep_size 1), its prepare
         function, then with ep > 1 `expert_parallelize_modules` and `expert_fully_shard_modules`
-        (looked up at call time on their fsdp_turbo modules) with a divide factor of dp; with
-        efsdp = 1 the expert modules alone are sharded over the size-1 efsdp mesh so their
-        gradients are reduced. Returns (model, parameters the outer FSDP2 ignores)."""
+        (looked up at call time on their fsdp_turbo modules) with a divide factor of dp; as
+        LlamaFactory does, EFSDP only when efsdp > 1 (with efsdp = 1 expert parallelism alone
+        reduces the expert gradients). Returns (model, parameters the outer FSDP2 ignores)."""
         from fsdp_turbo.distributed.expert_parallel import expert_fully_shard_parallel, expert_parallel
         from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPPlanConfig
 
@@ -120,27 +120,28 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
         if self.ep_size > 1:
             state = self._parallel_state()
             efsdp_size = self.ep_fsdp_size if self.ep_fsdp_size is not None else state.efsdp_size
-            efsdp_patterns = get_ep_fsdp_modules(spec) if efsdp_size > 1 else list(spec.ep_modules)
             ep_plan = EPPlanConfig(apply_modules=spec.ep_modules,
                                    dispatcher=self.dist_config.get("ep_dispatcher", "eager"),
-                                   apply_efsdp_modules=efsdp_patterns)
+                                   apply_efsdp_modules=get_ep_fsdp_modules(spec))
             # dp = ep · efsdp · edp (the seed: ep · efsdp, which is dp only when edp = 1).
             ep_plan.gradient_divide_factor = float(self.ep_size * state.efsdp_size * getattr(state, "edp_size", 1))
             fsdp_plan = FSDPPlanConfig(apply_modules={},
-                                       hook_modules=self.dist_config.get("hook_modules", []) if efsdp_size > 1 else [],
+                                       hook_modules=self.dist_config.get("hook_modules", []),
                                        fsdp_implementation=self.dist_config.get("fsdp_implementation", "native"))
             if state.ep_mesh is None:
                 raise RuntimeError("FSDPTurbo EP mesh is not initialized.")
-            if state.efsdp_mesh is None:
+            if efsdp_size > 1 and state.efsdp_mesh is None:
                 raise RuntimeError("FSDPTurbo EFSDP mesh is not initialized.")
             _info_rank0("Applying FSDPTurbo EP backend.")
             _info_rank0("FSDPTurbo EP apply patterns: %s", ep_plan.apply_modules)
             _info_rank0("FSDPTurbo EP device mesh: %s", state.ep_mesh)
             _info_rank0("FSDPTurbo EP gradient divide factor: %s", ep_plan.gradient_divide_factor)
             model = expert_parallel.expert_parallelize_modules(model, state.ep_mesh, ep_plan)
-            _info_rank0("FSDPTurbo EFSDP apply patterns: %s", ep_plan.apply_efsdp_modules)
-            _info_rank0("FSDPTurbo EFSDP device mesh: %s", state.efsdp_mesh)
-            model = expert_fully_shard_parallel.expert_fully_shard_modules(model, state.efsdp_mesh, ep_plan, fsdp_plan)
+            if efsdp_size > 1:
+                _info_rank0("FSDPTurbo EFSDP apply patterns: %s", ep_plan.apply_efsdp_modules)
+                _info_rank0("FSDPTurbo EFSDP device mesh: %s", state.efsdp_mesh)
+                model = expert_fully_shard_parallel.expert_fully_shard_modules(model, state.efsdp_mesh, ep_plan,
+                                                                               fsdp_plan)
             ignored_patterns += list(spec.ep_modules)
         patterns = [Pattern(p) for p in ignored_patterns]
         ignored = set()

@@ -171,10 +171,8 @@ fn memory_follows_the_layouts() {
             // Shard(0) over ep (8 → 4 experts), then Shard(1) over efsdp.
             let (e, d1) = (chunk(s[0], 2, 1), chunk(s[1], 2, 1));
             e * d1 * s[2]
-        } else if p.name.contains(".mlp.gate.") && !p.name.contains("layers.1.") {
-            chunk(s[1], 2, 1) * s[0] // router [E, H]: Shard(1) over efsdp
         } else {
-            chunk(s[0], 4, 3) * rest // outer FSDP2: Shard(0) over dp
+            chunk(s[0], 4, 3) * rest // outer FSDP2 (the router too): Shard(0) over dp
         };
     }
     assert_eq!(rank.memory.param_elements, expected);

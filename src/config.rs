@@ -228,13 +228,31 @@ pub struct ConfigError {
     pub message: String,
 }
 
+/// Text echoed from the input with its control characters escaped (`\n`, `\u{7}`), so that an
+/// error stays one line and input cannot forge log lines.
+struct Escaped<'a>(&'a str);
+
+impl fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
+            if c.is_control() {
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                write!(f, "{c}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (path, message) = (Escaped(&self.path), Escaped(&self.message));
         match (self.path.is_empty(), self.line) {
-            (false, Some(line)) => write!(f, "{} (line {line}): {}", self.path, self.message),
-            (false, None) => write!(f, "{}: {}", self.path, self.message),
-            (true, Some(line)) => write!(f, "line {line}: {}", self.message),
-            (true, None) => f.write_str(&self.message),
+            (false, Some(line)) => write!(f, "{path} (line {line}): {message}"),
+            (false, None) => write!(f, "{path}: {message}"),
+            (true, Some(line)) => write!(f, "line {line}: {message}"),
+            (true, None) => write!(f, "{message}"),
         }
     }
 }

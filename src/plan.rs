@@ -6,7 +6,7 @@
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
-use crate::config::DistConfig;
+use crate::config::{Dispatcher, DistConfig, FsdpImplementation};
 use crate::error::{Error, ErrorKind, Result};
 use crate::pattern::PatternSet;
 use crate::spec::{ModelSpec, ModelTree, ParamInfo};
@@ -358,6 +358,33 @@ pub fn resolve(input: &PlanInput) -> Result<Plan> {
         seed_gradient_divide_factor: (ep > 1 && efsdp > 1).then(|| (ep * efsdp) as f64),
         warnings,
     })
+}
+
+/// What `shard_model` refuses in a valid configuration, for a launch on `device` ("cpu",
+/// "cuda" or "npu"): settings of the seed's schema that are not built here, and a dispatcher
+/// the device cannot run. `fsdpturbo plan` reports each as a violation.
+pub fn unsupported(dist: &DistConfig, device: &str) -> Vec<String> {
+    let mut refused = Vec::new();
+    if let Some(path) = &dist.dcp_path {
+        refused.push(format!(
+            "dist_config.dcp_path ({path:?}): loading a torch.distributed.checkpoint is not implemented; \
+             pass Hugging Face weights instead"
+        ));
+    }
+    if dist.fsdp_implementation == FsdpImplementation::Custom {
+        refused.push(
+            "dist_config.fsdp_implementation 'custom' (FSDPTurbo's fine-grained fully_shard) is not \
+             implemented; use 'native'"
+                .to_string(),
+        );
+    }
+    if dist.ep_dispatcher == Dispatcher::Mc2 && device != "npu" {
+        refused.push(format!(
+            "dist_config.ep_dispatcher 'mc2' runs only on Ascend NPUs, not on {device}; use 'eager', \
+             'fused' or 'domino' (or plan with --device npu)"
+        ));
+    }
+    refused
 }
 
 /// Length of chunk `index` when `n` rows are split into `parts` like `torch.chunk` and

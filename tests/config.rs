@@ -1196,3 +1196,18 @@ fn each_error_stays_on_one_line_whatever_the_input() {
     assert!(text.contains("Plugin 'li\\nger' is not registered"), "{text}");
     assert!(text.contains("dist_config['odd\\nkey'] (line 5): Unknown params for DistributedPlugin.FSDPTurboParams: ['odd\\nkey']"), "{text}");
 }
+
+/// Found by the `config_yaml` fuzz target: the tag `!%0A0b02u` decodes to a newline, which once
+/// landed raw in the message and broke "one line per error". Echoed input is escaped.
+#[test]
+fn echoed_control_characters_are_escaped() {
+    for input in ["!%0A0b02u", "dist_config:\n  ep_dispatcher: \"ea\\u0007ger\\r\\nINFO forged\"\n"] {
+        let errors = parse_train_config_bytes(input.as_bytes()).unwrap_err();
+        let lines: Vec<String> = errors.0.iter().map(ToString::to_string).collect();
+        for line in &lines {
+            assert!(!line.chars().any(char::is_control), "raw control characters in {line:?}");
+        }
+        assert!(lines.iter().any(|l| l.contains("\\n") || l.contains("\\u{7}")), "escapes missing in {lines:?}");
+        assert_eq!(errors.to_string().lines().count(), lines.len(), "one line per error");
+    }
+}

@@ -11,10 +11,13 @@ use fsdpturbo::topology::{Mesh, Topology};
 use serde_json::{Value, json};
 
 const USAGE: &str = "\
-usage: fsdpturbo [plan] [--config TRAIN.yaml --model CONFIG.json --world-size N] [--rank R] [--json]
+usage: fsdpturbo [plan] [--config TRAIN.yaml --model CONFIG.json --world-size N] [--rank R]
+                 [--device cpu|cuda|npu] [--json]
 
 With no --config/--model/--world-size it plans the built-in example: Qwen3-30B-A3B on 32 ranks
 with ep_size 8 (examples/configs/qwen3_30b_a3b_ep8.yaml, examples/models/qwen3_30b_a3b.json).
+--device is the accelerator of the planned launch (default cuda): what it cannot run (mc2 off an
+NPU) is a violation, as are valid settings that shard_model does not implement.
 Exit status: 0 when the launch is valid, 1 when there are violations, 2 on a usage error.";
 
 const EXAMPLE_CONFIG: &str = include_str!("../../examples/configs/qwen3_30b_a3b_ep8.yaml");
@@ -26,6 +29,7 @@ struct Args {
     model: Option<String>,
     world_size: Option<u64>,
     rank: u64,
+    device: String,
     json: bool,
 }
 
@@ -39,7 +43,8 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Args, String> {
         Some("-h" | "--help") => return Err(String::new()),
         Some(other) => return Err(format!("unknown command {other:?}; the only command is `plan`")),
     }
-    let mut parsed = Args { config: None, model: None, world_size: None, rank: 0, json: false };
+    let mut parsed =
+        Args { config: None, model: None, world_size: None, rank: 0, device: "cuda".into(), json: false };
     while let Some(flag) = args.next() {
         let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
         let number = |name: &str, text: String| {
@@ -50,6 +55,10 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Args, String> {
             "--model" => parsed.model = Some(value("--model")?),
             "--world-size" => parsed.world_size = Some(number("--world-size", value("--world-size")?)?),
             "--rank" => parsed.rank = number("--rank", value("--rank")?)?,
+            "--device" => match value("--device")?.as_str() {
+                device @ ("cpu" | "cuda" | "npu") => parsed.device = device.into(),
+                other => return Err(format!("--device must be cpu, cuda or npu, got {other:?}")),
+            },
             "--json" => parsed.json = true,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other:?}")),
@@ -134,6 +143,7 @@ fn dry_run(args: &Args) -> DryRun {
         }
     };
     let dist = config.dist.clone().unwrap_or_default();
+    run.violations.extend(plan::unsupported(&dist, &args.device).into_iter().map(|v| format!("config: {v}")));
     let input = PlanInput { tree, spec, dist: &dist, topology, bf16: config.bf16 };
     match plan::resolve(&input) {
         Ok(resolved) => {

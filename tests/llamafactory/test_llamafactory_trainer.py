@@ -1,0 +1,170 @@
+"""LlamaFactory's own v1 trainer (`llamafactory-kt==0.9.6.dev0`, unmodified) drives our
+`fsdp_turbo` package on 4 CPU gloo ranks and is compared with the same trainer's plain `fsdp2`
+on the same data and seed: per-step loss, the grad norm LlamaFactory logs (its own
+`clip_grad_norm_`), the Hugging Face weights it saves, and resumption from its DCP checkpoints
+at the same and at the other ep size.
+
+Every run: 4 optimizer steps of 2 micro-batches per rank (gradient accumulation), activation
+checkpointing on (LlamaFactory's default), fp32. The cases are folded into few launches: each
+fsdpturbo launch saves a checkpoint at step 2 and goes on; the resumed launches start from
+those checkpoints; the fsdp2 reference runs once per tuning mode (full, LoRA).
+
+Run by ctest (`ctest -L llamafactory`) in the environment scripts/setup.sh builds:
+PYTHONPATH = tests/llamafactory/site : .venv/llamafactory : .venv/transformers-5.8 : torch_ext/python.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import fixture  # noqa: E402
+
+STEPS, SAVE_AT = 4, 2
+LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-4, 1e-6
+LAUNCH_TIMEOUT_S = 300
+LORA = {"name": "lora", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    dist: dict
+    init: str = "init_on_meta"
+    lora: bool = False
+    resume_from: str = None     # the case whose step-2 checkpoint this launch resumes
+
+    @property
+    def reference(self):
+        return "fsdp2_lora" if self.lora else "fsdp2_full"
+
+
+def turbo(ep, dispatcher):
+    return {"name": "fsdpturbo", "ep_size": ep, "ep_dispatcher": dispatcher}
+
+
+CASES = [
+    Case("fsdp2_full", {"name": "fsdp2"}),
+    # LlamaFactory loads LoRA models only with init_on_default ("lora stage does not support
+    # loading model by meta").
+    Case("fsdp2_lora", {"name": "fsdp2"}, init="init_on_default", lora=True),
+    Case("ep2_eager_meta", turbo(2, "eager")),
+    Case("ep4_fused_default", turbo(4, "fused"), init="init_on_default"),
+    Case("ep2_fused_default_lora", turbo(2, "fused"), init="init_on_default", lora=True),
+    Case("ep4_eager_default_lora", turbo(4, "eager"), init="init_on_default", lora=True),
+    Case("resume_ep2_at_ep2", turbo(2, "eager"), resume_from="ep2_eager_meta"),
+    Case("resume_ep4_at_ep2", turbo(2, "fused"), init="init_on_default", resume_from="ep4_fused_default"),
+]
+BY_NAME = {c.name: c for c in CASES}
+
+
+def _yaml(case, root):
+    out = os.path.join(root, case.name)
+    cfg = {"model": os.path.join(root, "model"), "model_class": "llm", "init_config": {"name": case.init},
+           "dist_config": case.dist, "train_dataset": os.path.join(root, "data.jsonl"), "output_dir": out,
+           "micro_batch_size": 1, "global_batch_size": 8, "cutoff_len": 64, "learning_rate": 1e-3,
+           "bf16": False, "max_steps": STEPS, "save_steps": SAVE_AT, "batching_workers": 0, "seed": 42,
+           "logging_steps": 1}
+    if case.lora:
+        cfg["peft_config"] = LORA
+    if case.resume_from:
+        cfg["resume_from_checkpoint"] = os.path.join(root, case.resume_from, f"checkpoint-{SAVE_AT}")
+    path = os.path.join(root, f"{case.name}.yaml")
+    with open(path, "w") as f:
+        json.dump(cfg, f)  # JSON is YAML
+    return path, out
+
+
+def _launch(case, root):
+    """One torchrun launch of LlamaFactory's launcher; returns the per-step log. A run that
+    completed (every step logged, model saved) but whose rank aborted at interpreter exit
+    (a torch/gloo teardown issue, also seen with plain fsdp2) is launched once more."""
+    import llamafactory.v1.launcher as launcher
+
+    config, out = _yaml(case, root)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               launcher.__file__, "sft", config]
+    for attempt in range(2):
+        shutil.rmtree(out, ignore_errors=True)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=root)
+        log = os.path.join(out, "trainer_log.jsonl")
+        steps = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+        if proc.returncode == 0:
+            return steps
+        teardown = "terminate called without an active exception" in proc.stderr
+        if not (attempt == 0 and teardown and steps and steps[-1]["step"] == STEPS):
+            raise AssertionError(f"LlamaFactory run {case.name} failed (exit {proc.returncode}):\n"
+                                 f"{proc.stderr[-6000:]}")
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    root = tempfile.mkdtemp(prefix="fsdpturbo_lf_")
+    fixture.main(root)
+    logs = {case.name: _launch(case, root) for case in CASES}
+    yield root, logs
+    if not os.environ.get("FSDPTURBO_KEEP_LF_RUNS"):
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _by_step(log):
+    return {entry["step"]: entry for entry in log}
+
+
+def _assert_steps_close(log, reference, steps, label):
+    got, ref = _by_step(log), _by_step(reference)
+    assert sorted(got) == list(steps), f"{label}: logged steps {sorted(got)}"
+    for step in steps:
+        loss, ref_loss = got[step]["loss"], ref[step]["loss"]
+        assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), f"{label} step {step}: loss {loss} vs {ref_loss}"
+        norm, ref_norm = got[step]["grad_norm"], ref[step]["grad_norm"]
+        assert abs(norm - ref_norm) <= GRAD_NORM_RTOL * abs(ref_norm), \
+            f"{label} step {step}: grad norm {norm} vs {ref_norm}"
+
+
+def _saved_tensors(directory, lora):
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    return load_file(os.path.join(directory, name))
+
+
+TRAINED = [c for c in CASES if c.dist["name"] == "fsdpturbo" and not c.resume_from]
+
+
+@pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
+def test_steps_equal_fsdp2(runs, case):
+    _, logs = runs
+    _assert_steps_close(logs[case.name], logs[case.reference], range(1, STEPS + 1), case.name)
+
+
+@pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
+def test_saved_weights_equal_fsdp2(runs, case):
+    root, _ = runs
+    got = _saved_tensors(os.path.join(root, case.name), case.lora)
+    ref = _saved_tensors(os.path.join(root, case.reference), case.lora)
+    assert sorted(got) == sorted(ref), f"{case.name}: saved tensor names differ"
+    worst = max(((got[k].double() - ref[k].double()).abs().max().item(), k) for k in ref)
+    assert worst[0] <= WEIGHT_ATOL, f"{case.name}: {worst[1]} differs by {worst[0]:.3g}"
+    moved = _saved_tensors(os.path.join(root, "model"), False) if not case.lora else None
+    if moved is not None:  # the experts were trained, not just carried through
+        key = "model.layers.0.mlp.experts.0.down_proj.weight"
+        assert not torch.equal(got[key], moved[key]), f"{case.name}: {key} did not change"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.resume_from], ids=lambda c: c.name)
+def test_resumed_steps_equal_the_uninterrupted_run(runs, case):
+    root, logs = runs
+    _assert_steps_close(logs[case.name], logs[case.resume_from], range(SAVE_AT + 1, STEPS + 1), case.name)
+    source = BY_NAME[case.resume_from]
+    got = _saved_tensors(os.path.join(root, case.name), case.lora)
+    ref = _saved_tensors(os.path.join(root, source.name), source.lora)
+    worst = max(((got[k].double() - ref[k].double()).abs().max().item(), k) for k in ref)
+    assert worst[0] <= WEIGHT_ATOL, f"{case.name}: {worst[1]} differs by {worst[0]:.3g} from {source.name}"

@@ -20,6 +20,14 @@ command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
 # entry pytest_transformers_5_8 puts first on PYTHONPATH, to run the engine tests against it too.
 [ -d .venv/transformers-5.8 ] || .venv/bin/pip install -q --disable-pip-version-check \
   --target .venv/transformers-5.8 transformers==5.8.0
+# LlamaFactory's v1 trainer, the real consumer the ctest entry llamafactory_trainer runs on our
+# package: its own folder (--no-deps, exactly the modules v1 imports), reinstalled when the pins change.
+if ! cmp -s tests/llamafactory/requirements.txt .venv/llamafactory/.requirements; then
+  rm -rf .venv/llamafactory
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/llamafactory \
+    -r tests/llamafactory/requirements.txt
+  cp tests/llamafactory/requirements.txt .venv/llamafactory/.requirements
+fi
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
 cmake --build build -j2

@@ -1207,7 +1207,10 @@ fn echoed_control_characters_are_escaped() {
         for line in &lines {
             assert!(!line.chars().any(char::is_control), "raw control characters in {line:?}");
         }
-        assert!(lines.iter().any(|l| l.contains("\\n") || l.contains("\\u{7}")), "escapes missing in {lines:?}");
+        assert!(
+            lines.iter().any(|l| l.contains("\\n") || l.contains("\\u{7}")),
+            "escapes missing in {lines:?}"
+        );
         assert_eq!(errors.to_string().lines().count(), lines.len(), "one line per error");
     }
 }

@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 import fixture  # noqa: E402
 
 STEPS, SAVE_AT = 4, 2
-LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-4, 1e-6
+LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL, WEIGHT_UPDATE_RTOL = 1e-5, 1e-4, 1e-6, 2e-3
 LAUNCH_TIMEOUT_S = 300
 LORA = {"name": "lora", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all"}
 
@@ -147,24 +147,37 @@ def test_steps_equal_fsdp2(runs, case):
 
 @pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
 def test_saved_weights_equal_fsdp2(runs, case):
+    """Per element |w - w_fsdp2| <= 1e-6 + 0.2 % of that element's own update |w_fsdp2 - w_0|:
+    AdamW divides every gradient element by its running RMS, so where a gradient nearly
+    cancels, rounding differences of 1e-7 pass through at the size of a step (measured: one
+    expert element in 2048 at 1.9e-6 of a 1.6e-3 update, every other element below 1e-6)."""
     root, _ = runs
     got = _saved_tensors(os.path.join(root, case.name), case.lora)
     ref = _saved_tensors(os.path.join(root, case.reference), case.lora)
+    start = {} if case.lora else _saved_tensors(os.path.join(root, "model"), False)
     assert sorted(got) == sorted(ref), f"{case.name}: saved tensor names differ"
-    worst = max(((got[k].double() - ref[k].double()).abs().max().item(), k) for k in ref)
-    assert worst[0] <= WEIGHT_ATOL, f"{case.name}: {worst[1]} differs by {worst[0]:.3g}"
-    moved = _saved_tensors(os.path.join(root, "model"), False) if not case.lora else None
-    if moved is not None:  # the experts were trained, not just carried through
+    for key in ref:
+        update = (ref[key].double() - start[key].double()).abs() if key in start else 0.0
+        excess = (got[key].double() - ref[key].double()).abs() - (WEIGHT_ATOL + WEIGHT_UPDATE_RTOL * update)
+        assert excess.max().item() <= 0, f"{case.name}: {key} differs by up to {excess.max().item():.3g} over the bound"
+    if not case.lora:  # the experts were trained, not just carried through
         key = "model.layers.0.mlp.experts.0.down_proj.weight"
-        assert not torch.equal(got[key], moved[key]), f"{case.name}: {key} did not change"
+        assert not torch.equal(got[key], start[key]), f"{case.name}: {key} did not change"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.resume_from], ids=lambda c: c.name)
 def test_resumed_steps_equal_the_uninterrupted_run(runs, case):
+    """Bitwise at the same ep size; at another ep within 1e-6 per element (measured 6e-8)."""
     root, logs = runs
-    _assert_steps_close(logs[case.name], logs[case.resume_from], range(SAVE_AT + 1, STEPS + 1), case.name)
     source = BY_NAME[case.resume_from]
     got = _saved_tensors(os.path.join(root, case.name), case.lora)
     ref = _saved_tensors(os.path.join(root, source.name), source.lora)
-    worst = max(((got[k].double() - ref[k].double()).abs().max().item(), k) for k in ref)
-    assert worst[0] <= WEIGHT_ATOL, f"{case.name}: {worst[1]} differs by {worst[0]:.3g} from {source.name}"
+    assert sorted(got) == sorted(ref)
+    if case.dist == source.dist:
+        assert [e for e in logs[case.name]] == [e for e in logs[source.name] if e["step"] > SAVE_AT]
+        differing = [k for k in ref if not torch.equal(got[k], ref[k])]
+        assert not differing, f"{case.name}: {differing[:3]} differ from {source.name}"
+    else:
+        _assert_steps_close(logs[case.name], logs[source.name], range(SAVE_AT + 1, STEPS + 1), case.name)
+        worst = max(((got[k].double() - ref[k].double()).abs().max().item(), k) for k in ref)
+        assert worst[0] <= WEIGHT_ATOL, f"{case.name}: {worst[1]} differs by {worst[0]:.3g} from {source.name}"

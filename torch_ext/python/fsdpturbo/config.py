@@ -10,12 +10,17 @@ from ._native import check, lib, string_out
 @contextlib.contextmanager
 def config_handle(source):
     """The parsed configuration handle (fsdpturbo_config_t) of `source` (a path, YAML text or a
-    dict), freed on exit. Every violation raises one ValueError."""
+    dict), freed on exit. Every violation raises one ValueError; a path (a PathLike, or a string
+    of one line without ':') that names no file raises FileNotFoundError."""
     if isinstance(source, dict):
         text = json.dumps(source)
     elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
         with open(source, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
+    elif isinstance(source, os.PathLike) or (isinstance(source, str) and source.strip()
+                                              and "\n" not in source and ":" not in source):
+        raise FileNotFoundError(f"fsdpturbo: the training configuration {os.fspath(source)!r} does not exist "
+                                f"(expected a YAML file, YAML text or a dict)")
     else:
         text = str(source)
     data = text.encode("utf-8", errors="surrogateescape")

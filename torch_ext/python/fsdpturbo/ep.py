@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
+from .consistency import check_same_on_every_rank, model_structure
 from .efsdp import replica_groups
 from .pattern import match_modules
 
@@ -147,6 +148,10 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     `expert_fully_shard_modules`, when it follows, takes that over (no double reduction)."""
     if plan.dispatcher == "moonep":
         raise NotImplementedError("The 'moonep' dispatcher is not implemented by fsdpturbo.")
+    dispatcher = getattr(plan.dispatcher, "__qualname__", plan.dispatcher)
+    check_same_on_every_rank({"ep size": ep_mesh.size(), "model structure": model_structure(model),
+                              "EP plan": (plan.apply_modules, dispatcher, plan.fixed_router, plan.apply_efsdp_modules,
+                                          plan.gradient_divide_factor)}, "expert_parallelize_modules")
     ep_group = ep_mesh.get_group()
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router)

@@ -9,5 +9,7 @@ scripts/setup.sh
 cargo fmt --check
 cargo clippy --release --all-targets --locked -- -D warnings
 # build.rs regenerates the header; the committed copy must be the generated one.
-git diff --exit-code -- include/ || { echo "include/fsdpturbo.h is stale: commit the regenerated header" >&2; exit 1; }
+git diff --exit-code -- include/ || { echo "include/*.h are stale: commit the regenerated headers" >&2; exit 1; }
+# The Python package's ctypes layer is generated from those headers (scripts/gen_ctypes.py).
+python3 scripts/gen_ctypes.py --check
 timeout 3000 ctest --test-dir build --output-on-failure

@@ -1348,7 +1348,7 @@ fn c_abi_norm_plan_is_the_cores_plan() {
         0,
         &mut n_dims,
     );
-    assert_eq!((status, n_sets, n_dims), (FSDPTURBO_OK, 0, 0));
+    assert_eq!((status, n_sets, n_dims), (FSDPTURBO_OK as i32, 0, 0));
 
     // Partial, a repeated dim and an unknown role are errors naming the gradient.
     for (bad_dims, bad_roles, needle) in [

@@ -153,17 +153,17 @@ fn text_out(f: impl Fn(*mut c_char, usize, *mut usize) -> i32) -> (i32, String) 
 #[test]
 fn c_abi_register_resolve_and_warning_text() {
     let (status, cpu, replaced) = register("abi_matmul", "cpu");
-    assert_eq!((status, replaced), (FSDPTURBO_OK, 0));
+    assert_eq!((status, replaced), (FSDPTURBO_OK as i32, 0));
     assert_ne!(cpu, 0);
     let (status, npu, _) = register("abi_matmul", "npu");
     assert_eq!(status, FSDPTURBO_OK);
-    assert_eq!(resolve("abi_matmul", "npu"), (FSDPTURBO_OK, npu, FSDPTURBO_OP_EXACT));
-    assert_eq!(resolve("abi_matmul", "cuda"), (FSDPTURBO_OK, cpu, FSDPTURBO_OP_CPU_FALLBACK_WARN));
-    assert_eq!(resolve("abi_matmul", "cuda"), (FSDPTURBO_OK, cpu, FSDPTURBO_OP_CPU_FALLBACK));
+    assert_eq!(resolve("abi_matmul", "npu"), (FSDPTURBO_OK as i32, npu, FSDPTURBO_OP_EXACT));
+    assert_eq!(resolve("abi_matmul", "cuda"), (FSDPTURBO_OK as i32, cpu, FSDPTURBO_OP_CPU_FALLBACK_WARN));
+    assert_eq!(resolve("abi_matmul", "cuda"), (FSDPTURBO_OK as i32, cpu, FSDPTURBO_OP_CPU_FALLBACK));
 
     let (status, again, replaced) = register("abi_matmul", "cpu");
-    assert_eq!((status, replaced), (FSDPTURBO_OK, cpu));
-    assert_eq!(resolve("abi_matmul", "cuda"), (FSDPTURBO_OK, again, FSDPTURBO_OP_CPU_FALLBACK));
+    assert_eq!((status, replaced), (FSDPTURBO_OK as i32, cpu));
+    assert_eq!(resolve("abi_matmul", "cuda"), (FSDPTURBO_OK as i32, again, FSDPTURBO_OP_CPU_FALLBACK));
 
     let (op, dev) = (c("abi_matmul"), c("cuda"));
     let (status, warning) =
@@ -225,8 +225,9 @@ fn c_abi_errors_name_what_was_wrong() {
     });
     assert_eq!(status, FSDPTURBO_ERR_INVALID_ARGUMENT);
     // SAFETY: status names are static NUL-terminated strings.
-    let name =
-        unsafe { CStr::from_ptr(fsdpturbo::ffi::error::fsdpturbo_status_name(FSDPTURBO_ERR_NOT_FOUND)) };
+    let name = unsafe {
+        CStr::from_ptr(fsdpturbo::ffi::error::fsdpturbo_status_name(FSDPTURBO_ERR_NOT_FOUND as i32))
+    };
     assert_eq!(name.to_str().unwrap(), "FSDPTURBO_ERR_NOT_FOUND");
 }
 

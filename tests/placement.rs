@@ -600,16 +600,16 @@ fn c_local(
 fn c_abi_local_shape_and_offset() {
     let (st, shape, off) =
         c_local(&[10, 3], &[2, 2], &[1, 1], &[cp(FSDPTURBO_PLACEMENT_STRIDED_SHARD, 0, 2), S0]);
-    assert_eq!((st, shape, off), (FSDPTURBO_OK, vec![2, 3], vec![8, 0]));
+    assert_eq!((st, shape, off), (FSDPTURBO_OK as i32, vec![2, 3], vec![8, 0]));
     assert_eq!(last_error(), "");
     let (st, shape, off) = c_local(&[3], &[4], &[3], &[S0]);
-    assert_eq!((st, shape, off), (FSDPTURBO_OK, vec![0], vec![3]));
+    assert_eq!((st, shape, off), (FSDPTURBO_OK as i32, vec![0], vec![3]));
     let partial = cp(FSDPTURBO_PLACEMENT_PARTIAL, 0, 0);
-    assert_eq!(c_local(&[3], &[4], &[3], &[partial]), (FSDPTURBO_OK, vec![3], vec![0]));
+    assert_eq!(c_local(&[3], &[4], &[3], &[partial]), (FSDPTURBO_OK as i32, vec![3], vec![0]));
 
     // Invalid kind integers, negative dims, split factors, unused fields.
     let (st, shape, _) = c_local(&[4], &[2], &[0], &[cp(7, 0, 0)]);
-    assert_eq!((st, shape), (FSDPTURBO_ERR_INVALID_ARGUMENT, vec![7]), "outputs untouched on failure");
+    assert_eq!((st, shape), (FSDPTURBO_ERR_INVALID_ARGUMENT as i32, vec![7]), "outputs untouched on failure");
     assert!(
         last_error().starts_with("`placements[0].kind` is 7; accepted: FSDPTURBO_PLACEMENT_SHARD (0)"),
         "{}",
@@ -670,7 +670,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `global_shape` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `global_shape` must not be NULL")
     );
     let st = fsdpturbo_local_shape_and_offset(
         g.as_ptr(),
@@ -684,7 +684,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `mesh_shape` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `mesh_shape` must not be NULL")
     );
     let st = fsdpturbo_local_shape_and_offset(
         g.as_ptr(),
@@ -698,7 +698,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `coordinate` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `coordinate` must not be NULL")
     );
     let st = fsdpturbo_local_shape_and_offset(
         g.as_ptr(),
@@ -712,7 +712,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `placements` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `placements` must not be NULL")
     );
     let st = fsdpturbo_local_shape_and_offset(
         g.as_ptr(),
@@ -726,7 +726,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `local_shape` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `local_shape` must not be NULL")
     );
     let st = fsdpturbo_local_shape_and_offset(
         g.as_ptr(),
@@ -740,7 +740,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `global_offset` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `global_offset` must not be NULL")
     );
     // Zero lengths accept NULL: a scalar on an empty mesh.
     let st = fsdpturbo_local_shape_and_offset(
@@ -879,7 +879,7 @@ fn c_abi_copy_plan_and_bytes() {
 
     // Plan creation errors: Partial, NULL out, bad kinds.
     let (st, plan) = c_plan(&[4], &[2], &[0], &[cp(FSDPTURBO_PLACEMENT_PARTIAL, 0, 0)]);
-    assert_eq!((st, plan.is_null()), (FSDPTURBO_ERR_INVALID_ARGUMENT, true));
+    assert_eq!((st, plan.is_null()), (FSDPTURBO_ERR_INVALID_ARGUMENT as i32, true));
     assert!(last_error().contains("`placements[0]` is Partial()"));
     let (st, _) = c_plan(&[4], &[2], &[0], &[cp(4, 0, 0)]);
     assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
@@ -887,7 +887,10 @@ fn c_abi_copy_plan_and_bytes() {
     let (g, m, c, p) = ([4u64], [2u64], [0u64], [S0]);
     let st =
         fsdpturbo_copy_plan_new(g.as_ptr(), 1, m.as_ptr(), c.as_ptr(), 1, p.as_ptr(), std::ptr::null_mut());
-    assert_eq!((st, last_error().as_str()), (FSDPTURBO_ERR_NULL_ARGUMENT, "argument `out` must not be NULL"));
+    assert_eq!(
+        (st, last_error().as_str()),
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `out` must not be NULL")
+    );
 }
 
 #[test]

@@ -939,10 +939,10 @@ fn ffi_mesh_shape_and_selectors() {
     // Size query with NULL / capacity 0, then a short buffer: BUFFER_TOO_SMALL with the length.
     let mut len = 0usize;
     let rc = fsdpturbo_topology_mesh_shape(h.0, FSDPTURBO_MESH_EXPERT, ptr::null_mut(), 0, &mut len);
-    assert_eq!((rc, len), (FSDPTURBO_ERR_BUFFER_TOO_SMALL, 4));
+    assert_eq!((rc, len), (FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32, 4));
     let mut small = [99u64; 3];
     let rc = fsdpturbo_topology_mesh_shape(h.0, FSDPTURBO_MESH_EXPERT, small.as_mut_ptr(), 3, &mut len);
-    assert_eq!((rc, len, small), (FSDPTURBO_ERR_BUFFER_TOO_SMALL, 4, [99; 3]));
+    assert_eq!((rc, len, small), (FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32, 4, [99; 3]));
     assert_eq!(last_error(), "buffer `shape` holds 3 elements, 4 are needed");
     let rc = fsdpturbo_topology_mesh_shape(h.0, FSDPTURBO_MESH_DATA, small.as_mut_ptr(), 3, ptr::null_mut());
     assert_eq!(rc, FSDPTURBO_ERR_NULL_ARGUMENT);
@@ -980,7 +980,7 @@ fn ffi_coordinates() {
     assert_eq!(
         coordinate(FSDPTURBO_MESH_DATA, 16).unwrap_err(),
         (
-            FSDPTURBO_ERR_INVALID_ARGUMENT,
+            FSDPTURBO_ERR_INVALID_ARGUMENT as i32,
             "rank 16 is outside mesh (dp=8, cp=2), which has 16 ranks (0..=15)".into()
         )
     );
@@ -988,7 +988,7 @@ fn ffi_coordinates() {
     let mut one = [0u64; 1];
     let mut len = 0usize;
     let rc = fsdpturbo_topology_coordinate(h.0, FSDPTURBO_MESH_DATA, 3, one.as_mut_ptr(), 1, &mut len);
-    assert_eq!((rc, len), (FSDPTURBO_ERR_BUFFER_TOO_SMALL, 2));
+    assert_eq!((rc, len), (FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32, 2));
     assert_eq!(last_error(), "buffer `coordinate` holds 1 elements, 2 are needed");
 }
 
@@ -1031,7 +1031,7 @@ fn ffi_groups() {
     let mut len = 0usize;
     let rc =
         fsdpturbo_topology_group(h.0, FSDPTURBO_MESH_EXPERT, dims.as_ptr(), 0, buf.as_mut_ptr(), 7, &mut len);
-    assert_eq!((rc, len, buf), (FSDPTURBO_ERR_BUFFER_TOO_SMALL, 8, [42; 7]));
+    assert_eq!((rc, len, buf), (FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32, 8, [42; 7]));
     assert_eq!(last_error(), "buffer `members` holds 7 elements, 8 are needed");
     let rc =
         fsdpturbo_topology_group(h.0, FSDPTURBO_MESH_EXPERT, ptr::null(), 0, buf.as_mut_ptr(), 7, &mut len);

@@ -1,7 +1,8 @@
 //! C ABI of the Ascend HCCL backend, for the op library's NPU kernels and for C++ trainers: an
-//! HCCL communicator made from a root info, its name and its all-to-all-v, and the switch onto
-//! the test doubles. The aclnn operators are in `ffi/npu.rs`. Streams are `aclrtStream` values
-//! (torch_npu's current stream). Device memory is never read on the host.
+//! HCCL communicator made from a root info, its name and its all-to-all-v. The aclnn operators are
+//! in `ffi/npu.rs`; the switch onto the test doubles is a test hook (`ffi/internal/testing.rs`).
+//! Streams are `aclrtStream` values (torch_npu's current stream). Device memory is never read on
+//! the host.
 
 use std::ffi::{c_char, c_void};
 
@@ -9,15 +10,18 @@ use super::dtype::Dtype;
 use super::error::FfiError;
 use super::handle::{arg_mut, arg_ref, arg_slice, free_handle, into_handle, write_out};
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_UNAVAILABLE};
-use crate::backend::acl::{self, Acl};
-use crate::backend::aclnn::Aclnn;
-use crate::backend::hccl::{HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES, Hccl};
+use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
+use crate::backend::hccl::{HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES};
 use crate::comm::hccl::{HcclCollective, root_info};
 use crate::comm::{AllToAllV, Collective, DataType, Stream};
 
 /// Bytes of an HCCL root info (`HcclRootInfo`).
-pub const FSDPTURBO_HCCL_ROOT_INFO_BYTES: usize = HCCL_ROOT_INFO_BYTES;
+pub const FSDPTURBO_HCCL_ROOT_INFO_BYTES: usize = 4108;
+// A literal for the header (the vendor constant stays private to the crate), pinned to it here.
+const _: () = assert!(FSDPTURBO_HCCL_ROOT_INFO_BYTES == HCCL_ROOT_INFO_BYTES);
+/// Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
+pub const FSDPTURBO_HCCL_COMM_NAME_BYTES: usize = 128;
+const _: () = assert!(FSDPTURBO_HCCL_COMM_NAME_BYTES == HCCL_COMM_NAME_BYTES);
 
 /// An HCCL communicator (opaque).
 pub struct fsdpturbo_hccl_comm_t(HcclCollective);
@@ -67,7 +71,7 @@ pub extern "C" fn fsdpturbo_hccl_comm_new(
 }
 
 /// Writes the communicator's name (`HcclGetCommName`, NUL-terminated) to `out`, which holds
-/// `len` bytes; `len` must be at least 128.
+/// `len` bytes; `len` must be at least FSDPTURBO_HCCL_COMM_NAME_BYTES (128).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_hccl_comm_name(
     comm: *const fsdpturbo_hccl_comm_t,
@@ -132,31 +136,5 @@ pub extern "C" fn fsdpturbo_hccl_all_to_all_v(
         // SAFETY: the caller's device buffers cover the layout (contract).
         unsafe { comm.all_to_all_v(send, recv, &layout, comm_dtype(dtype)?, Stream(stream)) }?;
         Ok(())
-    })
-}
-
-/// Test mode only: succeeds only when libascendcl, libhccl, libopapi and libnnopbase are all
-/// fsdpturbo's C test doubles (csrc/testing; they export a marker no CANN library has), and
-/// then makes a stream of the double's runtime. With real CANN libraries it always fails, so
-/// the op library's switch onto the doubles cannot be thrown in production.
-#[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_ascend_test_double_stream(out: *mut *mut c_void) -> i32 {
-    boundary(|| {
-        let acl = Acl::get()?;
-        let libs =
-            std::iter::once(&acl.lib).chain(std::iter::once(&Hccl::get()?.lib)).chain(&Aclnn::get()?.libs);
-        if let Some(real) = libs.into_iter().find(|lib| !acl::is_test_double(lib)) {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_UNAVAILABLE,
-                format!(
-                    "{} is not fsdpturbo's Ascend test double: test mode is refused",
-                    real.path().display()
-                ),
-            ));
-        }
-        let mut stream = std::ptr::null_mut();
-        // SAFETY: an out-pointer for the new stream.
-        acl::check(unsafe { (acl.create_stream)(&mut stream) }, "aclrtCreateStream")?;
-        write_out(out, "out", stream)
     })
 }

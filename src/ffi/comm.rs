@@ -30,7 +30,9 @@ pub const FSDPTURBO_COMM_F64: i32 = 6;
 pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
 pub const FSDPTURBO_REDUCE_MIN: i32 = 3;
 /// Bytes of an NCCL unique id.
-pub const FSDPTURBO_NCCL_UNIQUE_ID_BYTES: usize = NCCL_UNIQUE_ID_BYTES;
+pub const FSDPTURBO_NCCL_UNIQUE_ID_BYTES: usize = 128;
+// A literal for the header (the vendor constant stays private to the crate), pinned to it here.
+const _: () = assert!(FSDPTURBO_NCCL_UNIQUE_ID_BYTES == NCCL_UNIQUE_ID_BYTES);
 
 /// A communicator: one process group's collectives (opaque).
 pub struct fsdpturbo_comm_t {

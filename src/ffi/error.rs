@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::ffi::c_char;
 
-use super::status::{self, FSDPTURBO_OK};
+use super::status::{self, Status};
 use crate::error::Error;
 
 thread_local! {
@@ -19,14 +19,15 @@ pub struct FfiError {
 }
 
 impl FfiError {
-    pub fn new(status: i32, message: impl Into<String>) -> Self {
-        FfiError { status, message: message.into() }
+    /// `status` is a `Status`, or a caller's own code passed through (e.g. a callback's).
+    pub fn new(status: impl Into<i32>, message: impl Into<String>) -> Self {
+        FfiError { status: status.into(), message: message.into() }
     }
 }
 
 impl From<Error> for FfiError {
     fn from(err: Error) -> Self {
-        FfiError { status: status::status_of(err.kind), message: err.message }
+        FfiError { status: status::status_of(err.kind).into(), message: err.message }
     }
 }
 
@@ -74,21 +75,7 @@ pub extern "C" fn fsdpturbo_last_error(buf: *mut c_char, len: usize) -> usize {
 /// integers that are not a status. The string is static.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_status_name(status: i32) -> *const c_char {
-    let name: &'static [u8] = match status {
-        FSDPTURBO_OK => b"FSDPTURBO_OK\0",
-        status::FSDPTURBO_ERR_NULL_ARGUMENT => b"FSDPTURBO_ERR_NULL_ARGUMENT\0",
-        status::FSDPTURBO_ERR_INVALID_ARGUMENT => b"FSDPTURBO_ERR_INVALID_ARGUMENT\0",
-        status::FSDPTURBO_ERR_CONFIG => b"FSDPTURBO_ERR_CONFIG\0",
-        status::FSDPTURBO_ERR_TOPOLOGY => b"FSDPTURBO_ERR_TOPOLOGY\0",
-        status::FSDPTURBO_ERR_PLAN => b"FSDPTURBO_ERR_PLAN\0",
-        status::FSDPTURBO_ERR_STATE => b"FSDPTURBO_ERR_STATE\0",
-        status::FSDPTURBO_ERR_BUFFER_TOO_SMALL => b"FSDPTURBO_ERR_BUFFER_TOO_SMALL\0",
-        status::FSDPTURBO_ERR_UNAVAILABLE => b"FSDPTURBO_ERR_UNAVAILABLE\0",
-        status::FSDPTURBO_ERR_STRUCT_SIZE => b"FSDPTURBO_ERR_STRUCT_SIZE\0",
-        status::FSDPTURBO_ERR_UTF8 => b"FSDPTURBO_ERR_UTF8\0",
-        status::FSDPTURBO_ERR_NOT_FOUND => b"FSDPTURBO_ERR_NOT_FOUND\0",
-        status::FSDPTURBO_ERR_PANIC => b"FSDPTURBO_ERR_PANIC\0",
-        _ => b"FSDPTURBO_UNKNOWN_STATUS\0",
-    };
-    name.as_ptr().cast()
+    let unknown = c"FSDPTURBO_UNKNOWN_STATUS".as_ptr();
+    std::panic::catch_unwind(|| Status::from_code(status).map_or(unknown, |s| s.name().as_ptr()))
+        .unwrap_or(unknown)
 }

@@ -12,11 +12,13 @@ pub mod panic;
 pub mod status;
 pub mod version;
 
+// The internal header (include/fsdpturbo_internal.h): the op library's CUDA kernels, test hooks.
+pub mod internal;
+
 pub mod ascend;
 pub mod backend;
 pub mod comm;
 pub mod config;
-pub mod cuda;
 pub mod norm;
 pub mod npu;
 pub mod ops;

@@ -11,7 +11,7 @@ pub(crate) fn boundary(body: impl FnOnce() -> Result<(), FfiError>) -> i32 {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => {
             clear_last_error();
-            FSDPTURBO_OK
+            FSDPTURBO_OK.into()
         }
         Ok(Err(err)) => {
             set_last_error(&err.message);
@@ -24,14 +24,7 @@ pub(crate) fn boundary(body: impl FnOnce() -> Result<(), FfiError>) -> i32 {
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a panic with a non-string payload".to_string());
             set_last_error(&format!("internal error (panic) in libfsdpturbo: {what}"));
-            FSDPTURBO_ERR_PANIC
+            FSDPTURBO_ERR_PANIC.into()
         }
     }
-}
-
-/// Provokes a panic inside the boundary, so embedders and tests can check that panics come
-/// back as FSDPTURBO_ERR_PANIC with a message rather than aborting the process.
-#[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_debug_panic() -> i32 {
-    boundary(|| panic!("fsdpturbo_debug_panic was called"))
 }

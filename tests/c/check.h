@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "fsdpturbo.h"
+#include "fsdpturbo_internal.h"
 
 static int check_failures = 0;
 static int check_count = 0;

@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-#include "fsdpturbo.h"
+#include "fsdpturbo_internal.h"
 
 namespace fsdpturbo_torch {
 

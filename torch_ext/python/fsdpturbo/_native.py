@@ -11,6 +11,8 @@ import pathlib
 
 import torch
 
+from . import _abi
+
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 _REPO = _PACKAGE.parents[2]
 
@@ -33,6 +35,7 @@ LIB_PATH = _find("FSDPTURBO_LIB", "libfsdpturbo.so", ["target/release"])
 TORCH_LIB_PATH = _find("FSDPTURBO_TORCH_LIB", "libfsdpturbo_torch.so", ["build/torch_ext"])
 
 lib = ctypes.CDLL(str(LIB_PATH))
+_abi.bind(lib)  # every signature, from the headers (scripts/gen_ctypes.py)
 
 
 def wheel_library_dirs():
@@ -47,17 +50,15 @@ def wheel_library_dirs():
 
 
 _dirs = [d.encode() for d in wheel_library_dirs()]
-lib.fsdpturbo_add_library_dirs.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]
 lib.fsdpturbo_add_library_dirs((ctypes.c_char_p * len(_dirs))(*_dirs), len(_dirs))
 torch.ops.load_library(str(TORCH_LIB_PATH))
 ops = torch.ops.fsdpturbo
 from . import moe_ops  # noqa: E402,F401  (autograd and fakes of the MoE ops, once the library is loaded)
 
-# Status codes (include/fsdpturbo.h).
-OK = 0
-_STATUS = {1: "NULL_ARGUMENT", 2: "INVALID_ARGUMENT", 3: "CONFIG", 4: "TOPOLOGY", 5: "PLAN",
-           6: "STATE", 7: "BUFFER_TOO_SMALL", 8: "UNAVAILABLE", 9: "STRUCT_SIZE", 10: "UTF8",
-           11: "NOT_FOUND", 99: "PANIC"}
+# Status codes (enum fsdpturbo_status_t), by their names without FSDPTURBO_ERR_.
+OK = _abi.FSDPTURBO_OK
+BUFFER_TOO_SMALL = _abi.FSDPTURBO_ERR_BUFFER_TOO_SMALL
+_STATUS = {code: name.removeprefix("FSDPTURBO_ERR_") for code, name in _abi.STATUS_NAMES.items() if code != OK}
 
 
 class FsdpturboError(RuntimeError):
@@ -100,7 +101,7 @@ def string_out(fn, *args):
     """Calls a `(..., char *buf, size_t cap, size_t *out_len)` function twice: size, then text."""
     needed = ctypes.c_size_t(0)
     status = fn(*args, None, 0, ctypes.byref(needed))
-    if status not in (OK, 7):
+    if status not in (OK, BUFFER_TOO_SMALL):
         check(status)
     buf = ctypes.create_string_buffer(needed.value)
     check(fn(*args, buf, needed.value, ctypes.byref(needed)))
@@ -113,76 +114,14 @@ def u64_out(fn, *args, capacity=64):
         buf = (ctypes.c_uint64 * capacity)()
         n = ctypes.c_size_t(0)
         status = fn(*args, buf, capacity, ctypes.byref(n))
-        if status == 7 and n.value > capacity:
+        if status == BUFFER_TOO_SMALL and n.value > capacity:
             capacity = n.value
             continue
         check(status)
         return list(buf[: n.value])
 
 
-class TopologyOptions(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("world_size", ctypes.c_uint64),
-                ("dp_size", ctypes.c_uint64), ("cp_size", ctypes.c_uint64),
-                ("mp_replicate_size", ctypes.c_uint64), ("mp_shard_size", ctypes.c_uint64),
-                ("ep_size", ctypes.c_uint64), ("efsdp_size", ctypes.c_uint64)]
-
-
-class GradT(ctypes.Structure):
-    """fsdpturbo_grad_t."""
-    _fields_ = [("data", ctypes.c_void_p), ("mut_data", ctypes.c_void_p), ("numel", ctypes.c_size_t),
-                ("dtype", ctypes.c_int32), ("dims", ctypes.POINTER(ctypes.c_uint32)),
-                ("roles", ctypes.POINTER(ctypes.c_int32)), ("n_dims", ctypes.c_size_t)]
-
-
-DIM_SHARD = 0  # FSDPTURBO_DIM_SHARD
-
-_c = ctypes
-_SIGNATURES = {
-    "fsdpturbo_last_error": (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
-    "fsdpturbo_version": (_c.c_char_p, []),
-    "fsdpturbo_abi_version": (_c.c_uint32, []),
-    "fsdpturbo_config_parse": (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_config_free": (None, [_c.c_void_p]),
-    "fsdpturbo_config_to_json": (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_topology_new": (_c.c_int32, [_c.POINTER(TopologyOptions), _c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_topology_free": (None, [_c.c_void_p]),
-    "fsdpturbo_topology_size": (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]),
-    "fsdpturbo_topology_mesh_shape": (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.POINTER(_c.c_uint64),
-                                                   _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_topology_coordinate": (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.c_uint64,
-                                                   _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_topology_group": (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.c_char_p, _c.c_uint64,
-                                              _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_state_initialize": (_c.c_int32, [_c.c_void_p]),
-    "fsdpturbo_state_get": (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_state_reset": (None, []),
-    "fsdpturbo_module_name_match": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_bool)]),
-    "fsdpturbo_spec_register": (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_char_p), _c.c_size_t,
-                                             _c.POINTER(_c.c_char_p), _c.c_size_t]),
-    "fsdpturbo_spec_to_json": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_norm_plan": (_c.c_int32, [_c.POINTER(GradT), _c.c_size_t, _c.POINTER(_c.c_size_t),
-                                         _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t),
-                                         _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-}
-for _name, (_restype, _argtypes) in _SIGNATURES.items():
-    _fn = getattr(lib, _name)
-    _fn.restype = _restype
-    _fn.argtypes = _argtypes
-
-MESH_DATA, MESH_MODEL, MESH_EXPERT = 0, 1, 2
-
-for _name, (_restype, _argtypes) in {
-    "fsdpturbo_pattern_compile": (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_pattern_match": (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_bool)]),
-    "fsdpturbo_pattern_free": (None, [_c.c_void_p]),
-    "fsdpturbo_op_register": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64),
-                                           _c.POINTER(_c.c_uint64)]),
-    "fsdpturbo_op_resolve": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64),
-                                          _c.POINTER(_c.c_int32)]),
-    "fsdpturbo_op_fallback_warning": (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_char_p, _c.c_size_t,
-                                                   _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_op_table_json": (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-}.items():
-    _fn = getattr(lib, _name)
-    _fn.restype = _restype
-    _fn.argtypes = _argtypes
+TopologyOptions = _abi.fsdpturbo_topology_options_t
+GradT = _abi.fsdpturbo_grad_t
+DIM_SHARD = _abi.FSDPTURBO_DIM_SHARD
+MESH_DATA, MESH_MODEL, MESH_EXPERT = _abi.FSDPTURBO_MESH_DATA, _abi.FSDPTURBO_MESH_MODEL, _abi.FSDPTURBO_MESH_EXPERT

@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from . import _abi
 from ._native import check, lib
 
 __all__ = ["Comm", "host_comm", "single_rank_comm", "nccl_comm", "nccl_comm_for_group", "nccl_version",
@@ -18,51 +19,21 @@ __all__ = ["Comm", "host_comm", "single_rank_comm", "nccl_comm", "nccl_comm_for_
 _c = ctypes
 logger = logging.getLogger(__name__)
 # FSDPTURBO_COMM_* codes and the torch dtypes they carry.
-_DTYPES = {0: torch.uint8, 1: torch.int32, 2: torch.int64, 3: torch.float16, 4: torch.bfloat16,
-           5: torch.float32, 6: torch.float64}
+_DTYPES = {_abi.FSDPTURBO_COMM_U8: torch.uint8, _abi.FSDPTURBO_COMM_I32: torch.int32,
+           _abi.FSDPTURBO_COMM_I64: torch.int64, _abi.FSDPTURBO_COMM_F16: torch.float16,
+           _abi.FSDPTURBO_COMM_BF16: torch.bfloat16, _abi.FSDPTURBO_COMM_F32: torch.float32,
+           _abi.FSDPTURBO_COMM_F64: torch.float64}
 _CODES = {v: k for k, v in _DTYPES.items()}
 # FSDPTURBO_REDUCE_* codes.
-_OPS = {0: dist.ReduceOp.SUM, 1: dist.ReduceOp.MAX, 2: dist.ReduceOp.PRODUCT, 3: dist.ReduceOp.MIN}
-UNIQUE_ID_BYTES = 128
+_OPS = {_abi.FSDPTURBO_REDUCE_SUM: dist.ReduceOp.SUM, _abi.FSDPTURBO_REDUCE_MAX: dist.ReduceOp.MAX,
+        _abi.FSDPTURBO_REDUCE_PROD: dist.ReduceOp.PRODUCT, _abi.FSDPTURBO_REDUCE_MIN: dist.ReduceOp.MIN}
+UNIQUE_ID_BYTES = _abi.FSDPTURBO_NCCL_UNIQUE_ID_BYTES
 
-_ALL_REDUCE = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32)
-_ALL_GATHER = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32)
-_SIZES = _c.POINTER(_c.c_size_t)
-_ALL_TO_ALL_V = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _SIZES, _SIZES, _SIZES, _SIZES,
-                             _c.c_int32)
-
-
-class _HostCollective(_c.Structure):
-    _fields_ = [("struct_size", _c.c_size_t), ("rank", _c.c_size_t), ("world_size", _c.c_size_t),
-                ("user", _c.c_void_p), ("all_reduce", _ALL_REDUCE), ("all_gather", _ALL_GATHER),
-                ("reduce_scatter", _ALL_REDUCE), ("all_to_all_v", _ALL_TO_ALL_V)]
-
-
-class _CommGroup(_c.Structure):
-    _fields_ = [("dims", _c.POINTER(_c.c_uint32)), ("n_dims", _c.c_size_t), ("comm", _c.c_void_p)]
-
-
-for _name, (_restype, _argtypes) in {
-    "fsdpturbo_comm_single_new": (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_comm_host_new": (_c.c_int32, [_c.POINTER(_HostCollective), _c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_comm_nccl_new": (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32,
-                                             _c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_comm_free": (None, [_c.c_void_p]),
-    "fsdpturbo_comm_all_reduce": (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32,
-                                               _c.c_int32, _c.c_void_p]),
-    "fsdpturbo_comm_all_to_all_v": (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _SIZES, _SIZES, _SIZES,
-                                                 _SIZES, _c.c_int32, _c.c_void_p]),
-    "fsdpturbo_nccl_version": (_c.c_int32, [_c.POINTER(_c.c_int32)]),
-    "fsdpturbo_nccl_unique_id": (_c.c_int32, [_c.c_char_p]),
-    "fsdpturbo_nvrtc_version": (_c.c_int32, [_c.POINTER(_c.c_int32), _c.POINTER(_c.c_int32)]),
-    "fsdpturbo_cuda_compile_kernels": (_c.c_int32, [_c.c_uint32, _c.c_bool, _c.POINTER(_c.c_size_t),
-                                                    _c.POINTER(_c.c_size_t)]),
-    "fsdpturbo_clip_grad_norm_comm": (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_size_t, _c.POINTER(_CommGroup),
-                                                   _c.c_size_t, _c.POINTER(_c.c_double)]),
-}.items():
-    _fn = getattr(lib, _name)
-    _fn.restype = _restype
-    _fn.argtypes = _argtypes
+_ALL_REDUCE = _abi.fsdpturbo_host_all_reduce_fn
+_ALL_GATHER = _abi.fsdpturbo_host_all_gather_fn
+_ALL_TO_ALL_V = _abi.fsdpturbo_host_all_to_all_v_fn
+_HostCollective = _abi.fsdpturbo_host_collective_t
+_CommGroup = _abi.fsdpturbo_comm_group_t
 
 
 def _view(ptr, count, code):
@@ -211,17 +182,10 @@ def nccl_comm_for_group(group=None, device=None):
     return nccl_comm(box[0], world, rank, device)
 
 
-class _Grad(_c.Structure):
-    _fields_ = [("data", _c.c_void_p), ("mut_data", _c.c_void_p), ("numel", _c.c_size_t), ("dtype", _c.c_int32),
-                ("dims", _c.POINTER(_c.c_uint32)), ("roles", _c.POINTER(_c.c_int32)), ("n_dims", _c.c_size_t)]
-
-
-class _ClipOptions(_c.Structure):
-    _fields_ = [("struct_size", _c.c_size_t), ("max_norm", _c.c_double), ("norm_type", _c.c_double),
-                ("error_if_nonfinite", _c.c_bool), ("accumulate_f64", _c.c_bool)]
-
-
-_GRAD_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+_Grad = _abi.fsdpturbo_grad_t
+_ClipOptions = _abi.fsdpturbo_clip_options_t
+_GRAD_DTYPES = {torch.float32: _abi.FSDPTURBO_DTYPE_F32, torch.float64: _abi.FSDPTURBO_DTYPE_F64,
+                torch.float16: _abi.FSDPTURBO_DTYPE_F16, torch.bfloat16: _abi.FSDPTURBO_DTYPE_BF16}
 
 
 def clip_grad_norm_host(grads, layouts, groups, max_norm, norm_type=2.0):

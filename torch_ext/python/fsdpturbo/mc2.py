@@ -21,21 +21,12 @@ import ctypes
 import torch
 import torch.distributed as dist
 
+from . import _abi
 from ._native import check, lib, ops
 
-ROOT_INFO_BYTES = 4108
-COMM_NAME_BYTES = 128
+ROOT_INFO_BYTES = _abi.FSDPTURBO_HCCL_ROOT_INFO_BYTES
+COMM_NAME_BYTES = _abi.FSDPTURBO_HCCL_COMM_NAME_BYTES
 EP_SIZES_ON_NPU = (8, 16, 32, 64)
-
-lib.fsdpturbo_hccl_root_info.restype = ctypes.c_int32
-lib.fsdpturbo_hccl_root_info.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-lib.fsdpturbo_hccl_comm_new.restype = ctypes.c_int32
-lib.fsdpturbo_hccl_comm_new.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32,
-                                        ctypes.POINTER(ctypes.c_void_p)]
-lib.fsdpturbo_hccl_comm_name.restype = ctypes.c_int32
-lib.fsdpturbo_hccl_comm_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-lib.fsdpturbo_hccl_comm_free.restype = None
-lib.fsdpturbo_hccl_comm_free.argtypes = [ctypes.c_void_p]
 
 _COMM_NAMES = {}  # process group -> its HCCL communicator's name (groups live as long as the program)
 _TEST_COMMS = {}

@@ -3,29 +3,14 @@ units, which parameters the outer FSDP2 ignores, and the gradient divide factor.
 import ctypes
 import json
 
+from . import _abi
 from ._native import check, lib, string_out
 from .config import config_handle
 
 _c = ctypes
 
 
-class ModelDesc(ctypes.Structure):
-    """fsdpturbo_model_desc_t: a model by module names and parameter names and shapes."""
-    _fields_ = [("struct_size", _c.c_size_t), ("model_type", _c.c_char_p),
-                ("module_names", _c.POINTER(_c.c_char_p)), ("n_modules", _c.c_size_t),
-                ("param_names", _c.POINTER(_c.c_char_p)), ("param_ndims", _c.POINTER(_c.c_size_t)),
-                ("param_shapes", _c.POINTER(_c.c_uint64)), ("n_params", _c.c_size_t)]
-
-
-for _name, (_restype, _argtypes) in {
-    "fsdpturbo_plan_resolve": (_c.c_int32, [_c.POINTER(ModelDesc), _c.c_void_p, _c.c_void_p,
-                                            _c.POINTER(_c.c_void_p)]),
-    "fsdpturbo_plan_free": (None, [_c.c_void_p]),
-    "fsdpturbo_plan_to_json": (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-}.items():
-    _fn = getattr(lib, _name)
-    _fn.restype = _restype
-    _fn.argtypes = _argtypes
+ModelDesc = _abi.fsdpturbo_model_desc_t  # a model by module names and parameter names and shapes
 
 
 def _strings(items):

@@ -6,15 +6,15 @@
 
 use std::ffi::c_void;
 
-use super::dtype::Dtype;
-use super::error::FfiError;
-use super::handle::{arg_slice, write_out, write_slice};
-use super::norm::fsdpturbo_grad_t;
-use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::backend::cublas::{self, GemmBuffers, GemmKind};
 use crate::backend::kernels::{self, DeviceTensor, Elem, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
 use crate::comm::Stream;
+use crate::ffi::dtype::Dtype;
+use crate::ffi::error::FfiError;
+use crate::ffi::handle::{arg_slice, write_out, write_slice};
+use crate::ffi::norm::fsdpturbo_grad_t;
+use crate::ffi::panic::boundary;
+use crate::ffi::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::norm::NormType;
 
 /// fsdpturbo_cuda_grouped_matmul `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).

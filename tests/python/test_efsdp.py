@@ -9,6 +9,8 @@ from dist_util import run_ranks
 from test_ep import _block, _data, TOKENS_PER_RANK
 from test_train import assert_rel_close, full
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 
 class _Layer(torch.nn.Module):
     def __init__(self, block):

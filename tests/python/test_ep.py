@@ -8,6 +8,8 @@ import fsdpturbo
 from dist_util import run_ranks
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 TOKENS_PER_RANK = 5
 
 

@@ -23,6 +23,8 @@ from fsdp_turbo.ops import get_op
 from fsdp_turbo.ops.registry import get_op as registry_get_op
 from fsdpturbo.kernels import apply_flash_linear_attention, apply_kernels
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 
 

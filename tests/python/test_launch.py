@@ -8,6 +8,8 @@ from dist_util import run_ranks
 from test_ep import _block
 from test_train import build_model, train_config
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 
 def _expect_mismatch(call, field, ranks):
     with pytest.raises(ValueError) as error:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from dist_util import run_ranks
 from test_train import assert_rel_close, batch, build_model, full
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 
 class _Model(torch.nn.Module):
     def __init__(self, model_type):

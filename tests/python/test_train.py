@@ -7,6 +7,8 @@ import torch.distributed as dist
 
 from dist_util import run_ranks
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 SEQ = 6
 STEPS = 3
 LR = 1e-3  # AdamW normalises each element: near-zero gradients turn tiny rounding differences into lr-sized steps

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from dist_util import run_ranks
 from test_train import _layout_state, build_model, train_config
 
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+
 
 def _assert_bitwise(actual, expected, what):
     assert sorted(actual) == sorted(expected), f"{what}: names differ: {sorted(set(actual) ^ set(expected))}"

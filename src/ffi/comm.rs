@@ -6,13 +6,13 @@ use std::ffi::c_void;
 
 use super::error::FfiError;
 use super::error::last_error_message;
-use super::handle::{arg_ref, arg_slice, check_struct_size, free_handle, into_handle, write_out};
+use super::handle::{arg_ref, arg_slice, check_struct_size, free_handle, into_handle, invalid, write_out};
 use super::norm::{
     FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
     fsdpturbo_reduce_fn,
 };
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
+use super::status::FSDPTURBO_ERR_NULL_ARGUMENT;
 use crate::backend::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
@@ -102,10 +102,6 @@ pub struct fsdpturbo_comm_group_t {
     pub dims: *const u32,
     pub n_dims: usize,
     pub comm: *const fsdpturbo_comm_t,
-}
-
-fn invalid(message: String) -> FfiError {
-    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
 }
 
 fn data_type(code: i32) -> Result<DataType, FfiError> {

@@ -5,9 +5,15 @@ use std::ffi::{CStr, c_char};
 
 use super::error::FfiError;
 use super::status::{
-    FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_STRUCT_SIZE,
-    FSDPTURBO_ERR_UTF8,
+    FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
+    FSDPTURBO_ERR_STRUCT_SIZE, FSDPTURBO_ERR_UTF8,
 };
+
+/// FSDPTURBO_ERR_INVALID_ARGUMENT with `message`: the error of every argument outside what is
+/// accepted.
+pub(crate) fn invalid(message: String) -> FfiError {
+    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
+}
 
 fn null(name: &str) -> FfiError {
     FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, format!("argument `{name}` must not be NULL"))
@@ -125,6 +131,84 @@ pub(crate) fn check_struct_size(struct_size: usize, minimum: usize, name: &str) 
         ));
     }
     Ok(())
+}
+
+/// A memory region of an argument, for the overlap check.
+#[derive(Clone, Copy)]
+pub(crate) struct Region<'n> {
+    pub start: usize,
+    pub bytes: usize,
+    pub name: &'n str,
+}
+
+/// Fails when an output region overlaps another output or an input.
+pub(crate) fn check_disjoint(outputs: &[Region], inputs: &[Region]) -> Result<(), FfiError> {
+    for (i, a) in outputs.iter().enumerate() {
+        for b in outputs[i + 1..].iter().chain(inputs) {
+            if a.bytes > 0 && b.bytes > 0 && a.start < b.start + b.bytes && b.start < a.start + a.bytes {
+                return Err(invalid(format!(
+                    "buffers `{}` and `{}` overlap; outputs must not share memory with other arguments",
+                    a.name, b.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `len` elements of `T` at `ptr` can be viewed as a slice and returns its region.
+pub(crate) fn check_array<'n, T>(ptr: *const T, len: usize, name: &'n str) -> Result<Region<'n>, FfiError> {
+    let region = Region { start: ptr as usize, bytes: 0, name };
+    if len == 0 {
+        return Ok(region);
+    }
+    if ptr.is_null() {
+        return Err(FfiError::new(
+            FSDPTURBO_ERR_NULL_ARGUMENT,
+            format!("argument `{name}` is NULL but must hold {len} elements"),
+        ));
+    }
+    let size = std::mem::size_of::<T>();
+    if (ptr as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(invalid(format!("`{name}` ({ptr:p}) is not aligned to its {size}-byte element type")));
+    }
+    match len.checked_mul(size) {
+        Some(bytes) if bytes <= isize::MAX as usize && (ptr as usize).checked_add(bytes).is_some() => {
+            Ok(Region { bytes, ..region })
+        }
+        _ => Err(invalid(format!("`{name}`: {len} elements are too many for the address space"))),
+    }
+}
+
+/// A checked input array.
+pub(crate) fn in_array<'a, T>(
+    ptr: *const T,
+    len: usize,
+    name: &str,
+) -> Result<(&'a [T], Region<'_>), FfiError> {
+    let region = check_array(ptr, len, name)?;
+    if len == 0 {
+        return Ok((&[], region));
+    }
+    // SAFETY: non-NULL, aligned and in range (checked); the caller guarantees `len` readable
+    // elements that nothing writes during the call.
+    Ok((unsafe { std::slice::from_raw_parts(ptr, len) }, region))
+}
+
+/// A checked output array (made into a slice only after the overlap check: see `out_slice`).
+pub(crate) fn out_array<T>(ptr: *mut T, len: usize, name: &str) -> Result<Region<'_>, FfiError> {
+    check_array(ptr.cast_const(), len, name)
+}
+
+/// # Safety
+/// `region` came from `out_array(ptr, len, ..)` and passed `check_disjoint`.
+pub(crate) unsafe fn out_slice<'a, T>(ptr: *mut T, len: usize) -> &'a mut [T] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: checked by out_array and check_disjoint; the caller guarantees `len` writable
+    // elements that nothing else accesses during the call.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
 }
 
 /// Moves a value to the heap and hands its ownership to C.

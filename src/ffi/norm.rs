@@ -6,11 +6,9 @@ use std::ffi::c_void;
 
 use super::dtype::Dtype;
 use super::error::FfiError;
-use super::handle::{arg_mut, arg_ref, arg_slice, check_struct_size, write_out, write_slice};
+use super::handle::{arg_mut, arg_ref, arg_slice, check_struct_size, invalid, write_out, write_slice};
 use super::panic::boundary;
-use super::status::{
-    FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
-};
+use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
 use crate::norm::{
     self, ClipOptions, DimRole, GradLayout, HostBuf, HostBufMut, NormType, clip_grad_norm_with, norm_plan,
 };
@@ -80,10 +78,6 @@ pub struct fsdpturbo_clip_options_t {
 }
 
 const CLIP_OPTIONS_V1_SIZE: usize = std::mem::size_of::<fsdpturbo_clip_options_t>();
-
-fn invalid(message: String) -> FfiError {
-    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
-}
 
 /// Reads a `bool` field byte by byte: C can store any byte there, which Rust must not read as
 /// a `bool`.

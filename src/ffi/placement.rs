@@ -4,11 +4,9 @@
 use std::ffi::c_void;
 
 use super::error::FfiError;
-use super::handle::{arg_mut, arg_ref, arg_slice, free_handle, into_handle, write_out, write_slice};
+use super::handle::{arg_mut, arg_ref, arg_slice, free_handle, into_handle, invalid, write_out, write_slice};
 use super::panic::boundary;
-use super::status::{
-    FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
-};
+use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
 use crate::placement::{self, CopyPlan, Placement};
 
 /// Placement kind (fsdpturbo_placement_t.kind): torch `Shard(dim)`.
@@ -35,10 +33,6 @@ pub struct fsdpturbo_placement_t {
 /// A copy plan: the elements of the full row-major tensor that form one rank's local tensor.
 pub struct fsdpturbo_copy_plan_t {
     plan: CopyPlan,
-}
-
-fn invalid(message: String) -> FfiError {
-    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
 }
 
 fn placement_from_c(p: &fsdpturbo_placement_t, k: usize) -> Result<Placement, FfiError> {

@@ -11,10 +11,9 @@ use crate::backend::kernels::{self, DeviceTensor, Elem, PermuteBuffers, RouteBuf
 use crate::comm::Stream;
 use crate::ffi::dtype::Dtype;
 use crate::ffi::error::FfiError;
-use crate::ffi::handle::{arg_slice, write_out, write_slice};
+use crate::ffi::handle::{arg_slice, invalid, write_out, write_slice};
 use crate::ffi::norm::fsdpturbo_grad_t;
 use crate::ffi::panic::boundary;
-use crate::ffi::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::norm::NormType;
 
 /// fsdpturbo_cuda_grouped_matmul `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
@@ -23,10 +22,6 @@ pub const FSDPTURBO_GEMM_FORWARD: i32 = 0;
 pub const FSDPTURBO_GEMM_GRAD_INPUT: i32 = 1;
 /// grad_W[g] = grad_y_g^T @ x_g (a = grad_y, b = x, c = grad_W).
 pub const FSDPTURBO_GEMM_GRAD_WEIGHT: i32 = 2;
-
-fn invalid(message: String) -> FfiError {
-    FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
-}
 
 fn elem(code: i32, name: &str) -> Result<Elem, FfiError> {
     Ok(match Dtype::of(code, name)? {

@@ -174,7 +174,7 @@ def test_resumed_steps_equal_the_uninterrupted_run(runs, case):
     ref = _saved_tensors(os.path.join(root, source.name), source.lora)
     assert sorted(got) == sorted(ref)
     if case.dist == source.dist:
-        assert [e for e in logs[case.name]] == [e for e in logs[source.name] if e["step"] > SAVE_AT]
+        assert logs[case.name] == [e for e in logs[source.name] if e["step"] > SAVE_AT]
         differing = [k for k in ref if not torch.equal(got[k], ref[k])]
         assert not differing, f"{case.name}: {differing[:3]} differ from {source.name}"
     else:

@@ -27,15 +27,12 @@ def check_same_on_every_rank(fields, where):
     mine = [(name, _digest(value), repr(value)[:_SHOWN]) for name, value in fields.items()]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    reference = dict((name, (digest, shown)) for name, digest, shown in everyone[0])
-    for name, _, _ in everyone[0]:
-        differing = [rank for rank, theirs in enumerate(everyone)
-                     if dict((n, d) for n, d, _ in theirs).get(name) != reference[name][0]]
+    digests = [{name: digest for name, digest, _ in theirs} for theirs in everyone]
+    shown = [{name: text for name, _, text in theirs} for theirs in everyone]
+    for name in digests[0]:
+        differing = [rank for rank, theirs in enumerate(digests) if theirs.get(name) != digests[0][name]]
         if differing:
-            theirs = dict((n, s) for n, _, s in everyone[differing[0]]).get(name, "<missing>")
-            raise ValueError(f"fsdpturbo: {where}: the ranks disagree on the {name}: rank 0 has "
-                             f"{reference[name][1]}, rank(s) {differing} differ (rank {differing[0]}: {theirs}); "
+            first = differing[0]
+            raise ValueError(f"fsdpturbo: {where}: the ranks disagree on the {name}: rank 0 has {shown[0][name]}, "
+                             f"rank(s) {differing} differ (rank {first}: {shown[first].get(name, '<missing>')}); "
                              f"launch every rank with the same configuration and model")
-    extra = [rank for rank, theirs in enumerate(everyone) if len(theirs) != len(everyone[0])]
-    if extra:
-        raise ValueError(f"fsdpturbo: {where}: rank(s) {extra} checked other fields than rank 0")

@@ -119,6 +119,12 @@ def configure_gradient_reduction(fsdp_module, mesh, factor, replica_groups=()):
         fsdp_module.set_all_reduce_hook(functools.partial(_all_reduce_sum, groups=groups))
 
 
+def gradient_divide_factor(ep_plan):
+    """F of an `EPPlanConfig`: its `gradient_divide_factor`, or the world size when unset."""
+    factor = ep_plan.gradient_divide_factor
+    return float(dist.get_world_size()) if factor is None else float(factor)
+
+
 def replica_groups(mesh, exclude_dims=()):
     """The process groups of every dim of `mesh`'s root mesh other than `mesh`'s own dims and
     `exclude_dims` (names): the ranks holding replicas of what `mesh` shards."""
@@ -192,8 +198,7 @@ def expert_fully_shard_modules(model, efsdp_mesh, ep_plan, fsdp_plan):
     _check_implementation(fsdp_plan.fsdp_implementation)
     get_fsdp_hook_modules(model, fsdp_plan)
     units = match_modules(model, ep_plan.apply_efsdp_modules or [], "[Expert Fully Shard]", ep_plan)
-    factor = ep_plan.gradient_divide_factor
-    factor = float(dist.get_world_size()) if factor is None else float(factor)
+    factor = gradient_divide_factor(ep_plan)
     for name, unit in units:
         logger.debug("[Expert Fully Shard]: Apply efsdp to module <%s>", name)
         for child in (list(unit) if isinstance(unit, nn.ModuleList) else [unit]):

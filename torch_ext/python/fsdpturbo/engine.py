@@ -149,8 +149,8 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     cfg = parse_train_config(train_config)
-    check_same_on_every_rank({"training configuration": cfg, "world size": dist.get_world_size(),
-                              "model structure": model_structure(model)}, "shard_model")
+    check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model)},
+                             "shard_model")
     dist_cfg = cfg.get("dist") or {}
     if dist_cfg.get("dcp_path"):
         raise NotImplementedError("fsdpturbo: dist_config.dcp_path (loading a torch.distributed.checkpoint) is not "

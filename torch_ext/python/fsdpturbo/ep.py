@@ -17,7 +17,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
 from .consistency import check_same_on_every_rank, model_structure
-from .efsdp import replica_groups
+from .efsdp import gradient_divide_factor, replica_groups
 from .pattern import match_modules
 
 DISPATCHERS = ("eager", "fused", "mc2", "domino")
@@ -117,7 +117,7 @@ class _ReduceGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         for group in ctx.reduction.groups:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         return grad.div_(ctx.reduction.factor), None
@@ -155,9 +155,7 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     ep_group = ep_mesh.get_group()
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router)
-    factor = plan.gradient_divide_factor
-    reduction = GradientReduction(tuple(replica_groups(ep_mesh)),
-                                  float(dist.get_world_size()) if factor is None else float(factor))
+    reduction = GradientReduction(tuple(replica_groups(ep_mesh)), gradient_divide_factor(plan))
     for _, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
         num_experts = module.num_experts if hasattr(module, "num_experts") else len(module)
         if num_experts % ep_size:

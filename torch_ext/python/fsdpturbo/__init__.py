@@ -4,6 +4,7 @@ Every rule, number and plan comes from the Rust core (through its C ABI); this p
 what must be Python: torch DeviceMeshes, DTensors and torch.distributed calls.
 """
 from ._native import FsdpturboError, FsdpturboValueError, ops
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import parse_train_config
 from .efsdp import FSDPPlanConfig, expert_fully_shard_modules
 from .engine import shard_model
@@ -21,7 +22,7 @@ __version__ = ops.version()
 __all__ = [
     "FSDPPlanConfig", "FsdpturboError", "FsdpturboValueError", "ParallelState", "clip_grad_norm_", "copy_weights_",
     "dispatch_op", "expert_fully_shard_modules", "full_state_dict", "gather_full", "get_model_spec", "get_op", "get_parallel_state",
-    "get_total_norm", "initialize_parallel_state", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
+    "get_total_norm", "initialize_parallel_state", "load_checkpoint", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
     "module_name_match", "ops", "parse_train_config", "patch_model_members", "register_model_spec", "register_op", "reset_parallel_state", "resolve_plan",
-    "save_hf_weights", "shard_model", "warmup_grad_norm",
+    "save_checkpoint", "save_hf_weights", "shard_model", "warmup_grad_norm",
 ]

@@ -1,0 +1,385 @@
+"""Training checkpoints on `torch.distributed.checkpoint` (DCP), loadable at any layout.
+
+A checkpoint is a directory:
+
+    model/        DCP: the model state dict (DTensor shards as saved, plain tensors once)
+    optimizer/    DCP: the optimizer state dict (`get_optimizer_state_dict`: moments and step per
+                  parameter name, param groups), absent when saved without an optimizer
+    extra.pt      the caller's `extra` (rank 0's copy: LR scheduler, step, data position, ...)
+    rng/rank{r}.pt  each rank's RNG states (Python, NumPy when present, torch CPU and accelerator)
+    fsdpturbo.json  what saved it: format, library version, world size, layout, step
+
+`model/` and `optimizer/` are exactly what LlamaFactory's fsdp2 `save_checkpoint` writes, so
+either side loads the other's checkpoints. DCP stores every tensor with its global shape and
+reshards on load: a checkpoint saved at one (ep, efsdp, edp, cp, world size) loads at any other
+the model allows, ep = 1 included. A save goes to `<path>.partial` and is renamed into place
+only once every rank has written, so a crash mid-save leaves the previous checkpoint intact.
+"""
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from .progress import progress
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncCheckpoint", "CheckpointError", "load_checkpoint", "load_model_weights", "save_checkpoint"]
+
+FORMAT = "fsdpturbo-checkpoint/1"
+MANIFEST = "fsdpturbo.json"
+_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=True)
+
+
+class CheckpointError(RuntimeError):
+    """A DCP save or load failed on some rank (raised on every rank, naming each failure)."""
+
+
+@contextlib.contextmanager
+def _on_every_rank(action, path):
+    """DCP reports a failure on any rank as a `CheckpointException` on every rank, which is a
+    BaseException (an `except Exception` misses it): re-raised as a CheckpointError naming
+    each rank's cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
+                           for rank, (error, _) in sorted(e.failures.items()))
+        raise CheckpointError(f"fsdpturbo: {action} {path!r} failed ({causes})") from e
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _tensor_bytes(state):
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            total += _tensor_bytes(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            total += local.numel() * local.element_size()
+    return total
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, advancing a progress bar as tensors are handed to the writer."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor):
+            self.bar.update(data.numel() * data.element_size())
+        return data
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, advancing a progress bar as tensors arrive."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def commit_tensor(self, read_item, tensor):
+        super().commit_tensor(read_item, tensor)
+        self.bar.update(tensor.numel() * tensor.element_size())
+
+
+def _rng_state():
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None:
+        state[accelerator.type] = torch.get_device_module(accelerator.type).get_rng_state()
+    return state
+
+
+def _set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and accelerator.type in state:
+        torch.get_device_module(accelerator.type).set_rng_state(state[accelerator.type])
+
+
+def _plain(extra):
+    """`extra` with every object that has a `state_dict()` (scheduler, data loader) replaced by it."""
+    return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in (extra or {}).items()}
+
+
+def _layout():
+    from .topology import get_parallel_state
+
+    state = get_parallel_state()
+    if state is None:
+        return None
+    return {name: getattr(state, f"{name}_size") for name in ("dp", "cp", "ep", "efsdp", "edp")
+            if hasattr(state, f"{name}_size")}
+
+
+class AsyncCheckpoint:
+    """A save in progress (`save_checkpoint(..., async_save=True)`). `wait()` is collective:
+    every rank calls it; it returns once the checkpoint is complete and in place."""
+
+    def __init__(self, path, futures, finish):
+        self._path = path
+        self._futures = futures
+        self._finish = finish
+
+    def wait(self):
+        with _on_every_rank("saving the checkpoint", self._path):
+            for future in self._futures:
+                future.result()
+        self._futures = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
+    """Saves a training checkpoint of `model` (sharded by `shard_model` or any FSDP2/DTensor
+    model) and `optimizer` (None: weights only) to the directory `path`. `extra`: a dict the
+    caller gets back from `load_checkpoint`; values with a `state_dict()` (LR scheduler, data
+    loader) are saved through it. Each rank's RNG states are saved too. Collective. An existing
+    checkpoint at `path` is replaced only once the new one is complete. With `async_save=True`
+    the tensors are staged to CPU and written in the background: returns an `AsyncCheckpoint`
+    whose `wait()` (collective) completes it; otherwise returns None when done."""
+    path = os.fspath(path)
+    partial = path + ".partial"
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(os.path.join(partial, "rng"))
+    _barrier()
+    states = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    if optimizer is not None:
+        states["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    torch.save(_rng_state(), os.path.join(partial, "rng", f"rank{_rank()}.pt"))
+    step = (extra or {}).get("step")
+    if _rank() == 0:
+        torch.save(_plain(extra), os.path.join(partial, "extra.pt"))
+        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "version": _library_version(), "world_size": _world(),
+                       "layout": _layout(), "optimizer": optimizer is not None,
+                       "step": step if isinstance(step, int) else None},
+                      f, indent=1)
+
+    def finish():
+        _barrier()  # every rank's DCP writes are done
+        if _rank() == 0:
+            _replace(partial, path)
+        _barrier()
+
+    total = sum(_tensor_bytes(s) for s in states.values())
+    if async_save:
+        groups = _background_groups(len(states))
+        futures = [dcp.async_save(state, checkpoint_id=os.path.join(partial, name), process_group=group,
+                                  no_dist=not dist.is_initialized())
+                   for (name, state), group in zip(states.items(), groups)]
+        return AsyncCheckpoint(path, futures, finish)
+    with progress(total, f"saving {path}") as bar, _on_every_rank("saving the checkpoint", path):
+        for name, state in states.items():
+            dcp.save(state, checkpoint_id=os.path.join(partial, name), planner=_SavePlanner(bar),
+                     no_dist=not dist.is_initialized())
+    finish()
+    return None
+
+
+_BACKGROUND_GROUPS = []
+
+
+def _background_groups(count):
+    """One gloo group per concurrent background save: DCP's background thread runs collectives
+    (the plan, the metadata) that must not interleave with each other's nor with training's
+    on the default group. Created once, collectively, on the first asynchronous save."""
+    if not dist.is_initialized():
+        return [None] * count
+    while len(_BACKGROUND_GROUPS) < count:
+        _BACKGROUND_GROUPS.append(dist.new_group(backend="gloo"))
+    return _BACKGROUND_GROUPS[:count]
+
+
+def _replace(new, path):
+    """Moves the complete checkpoint `new` to `path`; an old checkpoint there is moved aside
+    first and deleted last, so at every instant one complete checkpoint exists."""
+    old = path + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _library_version():
+    from ._native import ops
+
+    return ops.version()
+
+
+def _resolve(path):
+    """The checkpoint directory to read: `path`, or when a save was interrupted between its two
+    renames, the previous checkpoint it had moved aside (`<path>.old`)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path) and os.path.isfile(os.path.join(path + ".old", "model", ".metadata")):
+        logger.warning("fsdpturbo: %s is missing; loading the previous checkpoint %s.old (a save was interrupted "
+                       "while replacing it)", path, path)
+        return path + ".old"
+    if not os.path.isfile(os.path.join(path, "model", ".metadata")):
+        what = "does not exist" if not os.path.exists(path) else "holds no model/.metadata"
+        hint = f" ({path}.partial is an interrupted save)" if os.path.isdir(path + ".partial") else ""
+        raise FileNotFoundError(f"fsdpturbo: checkpoint {path!r} {what}{hint}; expected a directory written by "
+                                f"fsdpturbo.save_checkpoint (model/ and optimizer/ DCP checkpoints)")
+    return path
+
+
+def _shape(value):
+    from torch.distributed.tensor import DTensor
+
+    return tuple(value.shape) if isinstance(value, (torch.Tensor, DTensor)) else None
+
+
+def check_against(state, directory, what):
+    """Raises a clear error before any tensor is read when the DCP checkpoint `directory` cannot
+    fill `state` (flattened names): a missing tensor, another global shape or dtype, a file
+    shorter than the bytes its metadata promises (a truncated or partly copied checkpoint).
+    Checkpoint tensors the state does not hold are logged."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(directory).read_metadata()
+    stored = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+    missing, wrong = [], []
+    for name, value in flat.items():
+        shape = _shape(value)
+        if name not in stored:
+            missing.append(name)
+        elif shape is not None:
+            entry = stored[name]
+            if not isinstance(entry, TensorStorageMetadata):
+                wrong.append(f"{name}: the checkpoint holds an object, the {what} a tensor of shape {list(shape)}")
+            elif tuple(entry.size) != shape:
+                wrong.append(f"{name}: the checkpoint has shape {list(entry.size)}, the {what} {list(shape)}")
+            elif entry.properties.dtype != value.dtype:
+                wrong.append(f"{name}: the checkpoint has dtype {entry.properties.dtype}, the {what} {value.dtype}")
+    if missing or wrong:
+        lines = wrong + ([f"missing from the checkpoint: {missing[:8]}" + (f" and {len(missing) - 8} more"
+                                                                          if len(missing) > 8 else "")]
+                         if missing else [])
+        raise ValueError(f"fsdpturbo: the checkpoint {directory!r} does not match the {what} (a checkpoint of "
+                         f"another model or configuration?):\n  " + "\n  ".join(lines))
+    unused = sorted(set(stored) - set(flat))
+    if unused:
+        logger.info("fsdpturbo: %d tensors of %s are not used by the %s: %s", len(unused), directory, what, unused[:8])
+    _check_file_sizes(metadata, directory)
+
+
+def _check_file_sizes(metadata, directory):
+    extents = {}
+    for index, info in (metadata.storage_data or {}).items():
+        extents.setdefault(info.relative_path, []).append((info.offset + info.length, index.fqn))
+    for relative, ends in sorted(extents.items()):
+        file = os.path.join(directory, relative)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        cut = sorted((end, fqn) for end, fqn in ends if size is None or end > size)
+        if cut:
+            found = "is missing" if size is None else f"has {size} bytes"
+            end, fqn = cut[0]
+            more = f" (and {len(cut) - 1} more tensors)" if len(cut) > 1 else ""
+            raise ValueError(f"fsdpturbo: checkpoint file {file!r} {found}, but its tensor {fqn!r} ends at byte "
+                             f"{end}{more}: a truncated or partly copied checkpoint")
+
+
+def _read(parts, path):
+    """Fills each (state, directory, what) of `parts` from its DCP checkpoint: every part is
+    checked before any tensor is read (the states may share storage with the model), then all
+    are read under one progress bar."""
+    for state, directory, what in parts:
+        check_against(state, directory, what)
+    with progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
+            _on_every_rank("loading the checkpoint", path):
+        for state, directory, _ in parts:
+            dcp.load(state, checkpoint_id=directory, planner=_LoadPlanner(bar), no_dist=not dist.is_initialized())
+
+
+def load_model_weights(model, path):
+    """Loads only the model weights of the checkpoint at `path` (this package's or
+    LlamaFactory's) into `model`, at whatever layout `model` is sharded. Collective."""
+    path = _resolve(path)
+    state = get_model_state_dict(model, options=_OPTIONS)
+    _read([(state, os.path.join(path, "model"), "model")], path)
+    set_model_state_dict(model, state, options=_OPTIONS)
+
+
+def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
+    """Loads the checkpoint at `path` into `model` and `optimizer` (None: weights only), at
+    whatever layout they are sharded now, and returns the saved `extra` dict. Objects in the
+    `extra` given here that have `load_state_dict` (scheduler, data loader) get their saved
+    state loaded in place. Each rank's RNG states are restored when the world size equals the
+    saving one's (else a warning: there is no rank-to-rank correspondence). Errors name the
+    tensor when the checkpoint does not fit the model (another model, shape, dtype) or a file
+    is truncated; nothing is modified then. Collective."""
+    path = _resolve(path)
+    with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"fsdpturbo: {path!r} has checkpoint format {manifest.get('format')!r}; this library reads "
+                         f"{FORMAT!r}")
+    if optimizer is not None and not manifest.get("optimizer"):
+        raise ValueError(f"fsdpturbo: checkpoint {path!r} was saved without an optimizer; pass optimizer=None to "
+                         f"load only the weights")
+    model_state = get_model_state_dict(model, options=_OPTIONS)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else None
+    parts = [(model_state, os.path.join(path, "model"), "model")]
+    if optim_state is not None:
+        parts.append((optim_state, os.path.join(path, "optimizer"), "optimizer"))
+    _read(parts, path)
+    set_model_state_dict(model, model_state, options=_OPTIONS)
+    if optim_state is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=_OPTIONS)
+    saved = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    for key, target in (extra or {}).items():
+        if hasattr(target, "load_state_dict") and key in saved:
+            target.load_state_dict(saved[key])
+    if restore_rng:
+        if manifest.get("world_size") == _world():
+            _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{_rank()}.pt"), weights_only=False))
+        elif _rank() == 0:
+            logger.warning("fsdpturbo: checkpoint %s was saved on %s ranks, this run has %d: RNG states are not "
+                           "restored", path, manifest.get("world_size"), _world())
+    return saved

@@ -365,12 +365,6 @@ pub fn resolve(input: &PlanInput) -> Result<Plan> {
 /// the device cannot run. `fsdpturbo plan` reports each as a violation.
 pub fn unsupported(dist: &DistConfig, device: &str) -> Vec<String> {
     let mut refused = Vec::new();
-    if let Some(path) = &dist.dcp_path {
-        refused.push(format!(
-            "dist_config.dcp_path ({path:?}): loading a torch.distributed.checkpoint is not implemented; \
-             pass Hugging Face weights instead"
-        ));
-    }
     if dist.fsdp_implementation == FsdpImplementation::Custom {
         refused.push(
             "dist_config.fsdp_implementation 'custom' (FSDPTurbo's fine-grained fully_shard) is not \

@@ -235,3 +235,32 @@ def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(model, torch.optim.AdamW(model.parameters()), tmp_path / "weights-only")
     os.rename(tmp_path / "weights-only", tmp_path / "weights-only.old")  # as if a save died between its renames
     load_checkpoint(model, None, tmp_path / "weights-only")
+
+
+def _dcp_path_rank_fn(rank, world, directory, cases):
+    """`dist_config.dcp_path`: `shard_model` on a model built on meta takes its initial weights
+    from a checkpoint saved at another layout, equal bitwise to `load_checkpoint` into a model
+    sharded the same way."""
+    import fsdpturbo
+    from fsdpturbo import load_checkpoint
+    from fsdpturbo.engine import shard_model
+
+    for family, saved, layout in cases:
+        where = _case(directory, family, saved)
+        loaded, _, _ = _sharded(family, layout, world, seed=7)
+        load_checkpoint(loaded, None, where)
+        config = train_config(layout["ep"], layout.get("efsdp"))
+        config["dist_config"]["dcp_path"] = where
+        state = fsdpturbo.ParallelState(world, ep_size=layout["ep"],
+                                        efsdp_size=layout.get("efsdp")).init_device_meshes("cpu")
+        with fsdpturbo.meta_parameters():
+            model = build_model(family)
+        model = shard_model(model, config, state=state)
+        expected = _params(loaded)
+        for name, value in _params(model).items():
+            assert torch.equal(value, expected[name]), f"{family} {saved} -> {layout}: {name} differs"
+
+
+def test_dcp_path_gives_the_initial_weights(saved):
+    run_ranks(_dcp_path_rank_fn, 4, saved, [("qwen3_moe", dict(ep=2, efsdp=2), dict(ep=4)),
+                                            ("qwen3_5_moe", dict(ep=1), dict(ep=2, efsdp=2))], timeout=300)

@@ -339,28 +339,41 @@ def _read(parts, path):
 
 def load_model_weights(model, path):
     """Loads only the model weights of the checkpoint at `path` (this package's or
-    LlamaFactory's) into `model`, at whatever layout `model` is sharded. Collective."""
+    LlamaFactory's) into `model`, at whatever layout `model` is sharded, and returns the names
+    loaded (parameters and persistent buffers). Collective."""
     path = _resolve(path)
     state = get_model_state_dict(model, options=_OPTIONS)
     _read([(state, os.path.join(path, "model"), "model")], path)
     set_model_state_dict(model, state, options=_OPTIONS)
+    return list(state)
+
+
+def _manifest(path):
+    """The manifest of a checkpoint this package saved; None for one LlamaFactory's fsdp2
+    plugin saved (model/ and optimizer/ only)."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"fsdpturbo: {path!r} has checkpoint format {manifest.get('format')!r}; this library reads "
+                         f"{FORMAT!r}")
+    return manifest
 
 
 def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
     """Loads the checkpoint at `path` into `model` and `optimizer` (None: weights only), at
     whatever layout they are sharded now, and returns the saved `extra` dict. Objects in the
     `extra` given here that have `load_state_dict` (scheduler, data loader) get their saved
-    state loaded in place. Each rank's RNG states are restored when the world size equals the
+    state loaded in place. A checkpoint of LlamaFactory's fsdp2 plugin (model/ and optimizer/
+    only) loads too and returns {}. Each rank's RNG states are restored when the world size equals the
     saving one's (else a warning: there is no rank-to-rank correspondence). Errors name the
     tensor when the checkpoint does not fit the model (another model, shape, dtype) or a file
     is truncated; nothing is modified then. Collective."""
     path = _resolve(path)
-    with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"fsdpturbo: {path!r} has checkpoint format {manifest.get('format')!r}; this library reads "
-                         f"{FORMAT!r}")
-    if optimizer is not None and not manifest.get("optimizer"):
+    manifest = _manifest(path)
+    if optimizer is not None and not os.path.isfile(os.path.join(path, "optimizer", ".metadata")):
         raise ValueError(f"fsdpturbo: checkpoint {path!r} was saved without an optimizer; pass optimizer=None to "
                          f"load only the weights")
     model_state = get_model_state_dict(model, options=_OPTIONS)
@@ -372,6 +385,8 @@ def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
     set_model_state_dict(model, model_state, options=_OPTIONS)
     if optim_state is not None:
         set_optimizer_state_dict(model, optimizer, optim_state, options=_OPTIONS)
+    if manifest is None:  # LlamaFactory's: model and optimizer only
+        return {}
     saved = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
     for key, target in (extra or {}).items():
         if hasattr(target, "load_state_dict") and key in saved:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import load_model_weights
 from .config import parse_train_config
 from .consistency import check_same_on_every_rank, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
@@ -90,14 +91,15 @@ def reduce_replicated_gradients(params, factor):
             p.register_hook(functools.partial(_reduce_hook, factor=float(factor)))
 
 
-def materialize(model, device, weights=None, copy_fn=None):
+def materialize(model, device, weights=None, copy_fn=None, dcp_path=None):
     """Gives every meta parameter and buffer storage on `device` (`to_empty`, keeping the
     values of real buffers such as rotary frequencies), then loads `weights` (a safetensors
-    file or Hugging Face directory) if given. A meta model without `weights`, or a meta buffer
-    the checkpoint does not hold, is an error."""
+    file or Hugging Face directory) or the model weights of the training checkpoint at
+    `dcp_path` (`fsdpturbo.save_checkpoint`'s or LlamaFactory's, saved at any layout) if given.
+    A meta model without either, or a meta buffer the checkpoint does not hold, is an error."""
     meta_params = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     meta_buffers = {n for n, b in model.named_buffers() if b.device.type == "meta"}
-    if meta_params and weights is None:
+    if meta_params and weights is None and dcp_path is None:
         raise ValueError(f"fsdpturbo: {len(meta_params)} parameters (e.g. {meta_params[0]}) are on the meta device "
                          f"and no weights were given; pass weights=<checkpoint> or build the model on a real device")
     if meta_params or meta_buffers:
@@ -110,6 +112,8 @@ def materialize(model, device, weights=None, copy_fn=None):
     loaded = set()
     if weights is not None:
         loaded = set(load_hf_weights(model, weights, **({"copy_fn": copy_fn} if copy_fn else {})))
+    elif dcp_path is not None:
+        loaded = set(load_model_weights(model, dcp_path))
     unset = sorted(meta_buffers - loaded)
     if unset:
         raise ValueError(f"fsdpturbo: the buffers {unset} were on the meta device and the checkpoint does not hold "
@@ -138,8 +142,9 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     3. with ep > 1: expert parallelism over the ep mesh, then EFSDP over the efsdp mesh (the
        plan's units; with efsdp = 1 the expert modules alone, so their gradients are reduced);
     4. the outer FSDP2 over dp per decoder layer and at the root (experts ignored there);
-    5. materialisation of meta tensors on `device` and `weights` (a Hugging Face safetensors
-       checkpoint) loaded through `copy_weights_`;
+    5. materialisation of meta tensors on `device`, and the initial weights: `weights` (a Hugging
+       Face safetensors checkpoint) loaded through `copy_weights_`, or `dist_config.dcp_path` (a
+       training checkpoint of `fsdpturbo.save_checkpoint` or LlamaFactory, saved at any layout);
     6. the grad-norm warm-up.
 
     `state`: a `ParallelState` with torch meshes (default: the process-global one, else one
@@ -152,9 +157,10 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model)},
                              "shard_model")
     dist_cfg = cfg.get("dist") or {}
-    if dist_cfg.get("dcp_path"):
-        raise NotImplementedError("fsdpturbo: dist_config.dcp_path (loading a torch.distributed.checkpoint) is not "
-                                  "implemented; pass weights=<Hugging Face safetensors checkpoint> instead")
+    dcp_path = dist_cfg.get("dcp_path")
+    if dcp_path and weights is not None:
+        raise ValueError(f"fsdpturbo: both dist_config.dcp_path ({dcp_path!r}) and weights=({weights!r}) give the "
+                         f"initial weights; pass one")
     dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
     logger.info("Using %s for FSDPTurbo full tuning.", dtype)
     model.to(dtype)
@@ -185,6 +191,6 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
                       reshard_after_forward=dist_cfg.get("reshard_after_forward", True),
                       offload_policy=CPUOffloadPolicy(pin_memory=dist_cfg.get("pin_memory", True))
                       if dist_cfg.get("offload_params") else None)
-    materialize(model, device, weights)
+    materialize(model, device, weights, dcp_path=dcp_path)
     warmup_grad_norm(model)
     return model

@@ -2,6 +2,7 @@
 over dp, materialisation and weight loading, grad-norm warm-up) and `FSDPTurboFSDP2Engine`
 (storage dtype, the EP and EFSDP step, the loader's `_copy_weights`)."""
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,30 @@ def _rank():
 def _info_rank0(message, *args):
     if _rank() == 0:
         logger.info(message, *args)
+
+
+def save_checkpoint(model, optimizer, ckpt_dir, **kwargs):
+    """LlamaFactory's fsdp2 `save_checkpoint` call: `fsdpturbo.save_checkpoint` (model/ and
+    optimizer/ as LlamaFactory writes them, plus `extra=` when given, RNG states and an atomic
+    replace), and with `save_ckpt_as_hf=True` the full Hugging Face weights (and `processor`)
+    in `ckpt_dir/hf_model`. Collective."""
+    from ..checkpoint import save_checkpoint as save
+
+    save(model, optimizer, ckpt_dir, extra=kwargs.get("extra"))
+    if kwargs.get("save_ckpt_as_hf"):
+        hf_dir = os.path.join(os.fspath(ckpt_dir), "hf_model")
+        save_hf_weights(getattr(model, "module", model), hf_dir)
+        processor = kwargs.get("processor")
+        if processor is not None and _rank() == 0:
+            processor.save_pretrained(hf_dir)
+
+
+def load_checkpoint(model, optimizer, ckpt_dir, **kwargs):
+    """LlamaFactory's fsdp2 `load_checkpoint` call: `fsdpturbo.load_checkpoint` at whatever
+    layout `model` is sharded now (checkpoints of either side). Returns the saved `extra`."""
+    from ..checkpoint import load_checkpoint as load
+
+    return load(model, optimizer, ckpt_dir, extra=kwargs.get("extra"))
 
 
 class FSDP2Engine:

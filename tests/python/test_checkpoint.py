@@ -59,6 +59,10 @@ def _train(model, optimizer, scheduler, steps, rank, world):
     return losses
 
 
+def _params(model):
+    return {n: full(p).clone() for n, p in model.named_parameters()}
+
+
 def _case(directory, family, save):
     name = "-".join(f"{k}{v}" for k, v in sorted(save.items()))
     return os.path.join(directory, f"{family}-{name}")
@@ -74,10 +78,11 @@ def _save_rank_fn(rank, world, directory, cases):
         model, optimizer, scheduler = _sharded(family, layout, world, seed=0)
         losses = _train(model, optimizer, scheduler, range(SAVE_AT), rank, world)
         save_checkpoint(model, optimizer, where, extra={"scheduler": scheduler, "step": SAVE_AT, "data": "row 8"})
+        at_save = _params(model)
         losses += _train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank, world)
-        params = {n: full(p).clone() for n, p in model.named_parameters()}
+        params = _params(model)
         if rank == 0:
-            torch.save({"losses": losses, "params": params}, where + ".reference.pt")
+            torch.save({"losses": losses, "params": params, "at_save": at_save}, where + ".reference.pt")
         dist.barrier()
 
 
@@ -134,10 +139,6 @@ def test_resume_at_another_layout_equals_the_uninterrupted_run(saved):
 
 def test_resume_at_another_world_size(saved):
     run_ranks(_resume_rank_fn, 2, saved, RESUMED_ON_2, timeout=300)
-
-
-def _params(model):
-    return {n: full(p).clone() for n, p in model.named_parameters()}
 
 
 def _crash_rank_fn(rank, world, directory):
@@ -264,3 +265,22 @@ def _dcp_path_rank_fn(rank, world, directory, cases):
 def test_dcp_path_gives_the_initial_weights(saved):
     run_ranks(_dcp_path_rank_fn, 4, saved, [("qwen3_moe", dict(ep=2, efsdp=2), dict(ep=4)),
                                             ("qwen3_5_moe", dict(ep=1), dict(ep=2, efsdp=2))], timeout=300)
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", dict(ep=2, efsdp=2)), ("qwen3_5_moe", dict(ep=2, efsdp=1))])
+def test_offline_conversion_of_a_training_checkpoint_loads_in_transformers(saved, tmp_path, family, layout):
+    """`fsdpturbo.convert.dcp_to_hf` (no process group) turns the checkpoint saved on 4 ranks
+    into a directory transformers' own `from_pretrained` loads, equal bitwise to the sharded
+    model's parameters when it was saved."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdpturbo import convert
+
+    where = _case(saved, family, layout)
+    build_model(family).config.save_pretrained(tmp_path / "config")
+    convert.dcp_to_hf(where, str(tmp_path / "hf"), config=str(tmp_path / "config"))
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    expected = torch.load(where + ".reference.pt")["at_save"]
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value), f"{name} differs after the conversion"

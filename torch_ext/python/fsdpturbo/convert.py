@@ -245,7 +245,8 @@ def hf_to_dcp(hf_dir, out, *, per_expert=True, check=True):
     tensors = {}
     directory = os.path.join(out, "model")
     with progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
-        dcp.save(state, storage_writer=FileSystemWriter(directory, thread_count=1),
+        # A file per tensor: DCP's writer holds every tensor of a file until the file is done.
+        dcp.save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=False, thread_count=1),
                  planner=_LazySavePlanner(produce, bar, tensors), no_dist=True)
     if hf_config:
         _copy_hf_files(hf_config, os.path.join(out, HF_FILES))

@@ -48,8 +48,15 @@ def fuse(keys):
 
 
 def stack(rows, read):
-    """The fused tensor of per-expert `rows` (from `fuse`), reading each key with `read`."""
-    return torch.stack([torch.cat([read(key) for key in row]) for row in rows])
+    """The fused tensor of per-expert `rows` (from `fuse`), reading each key with `read`; each
+    row is concatenated straight into its place (no stacked copy)."""
+    fused = None
+    for expert, row in enumerate(rows):
+        parts = [read(key) for key in row]
+        if fused is None:
+            fused = torch.empty((len(rows), sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+        torch.cat(parts, out=fused[expert])
+    return fused
 
 
 def split(name, tensor):

@@ -83,11 +83,11 @@ class TokenPermuteStrategy(Strategy):
         return permuted
 
     def compute(self, module, received, route, ep_group):
-        local, ep_size = module.num_local_experts, dist.get_world_size(ep_group)
-        on = received.device
-        local_ids = torch.arange(local, device=on).repeat(ep_size).repeat_interleave(torch.tensor(route.blocks, device=on))
+        local, ep_size, dev = module.num_local_experts, dist.get_world_size(ep_group), received.device
+        local_ids = torch.arange(local, device=dev).repeat(ep_size).repeat_interleave(
+            torch.tensor(route.blocks, device=dev))
         grouped, local_rows = ops.moe_token_permute(received, local_ids)
-        per_expert = torch.tensor(route.tokens_per_local_expert, dtype=torch.int64, device=on)
+        per_expert = torch.tensor(route.tokens_per_local_expert, dtype=torch.int64, device=dev)
         out = experts.grouped_mlp(module, grouped, per_expert, route.tokens_per_local_expert)
         return ops.moe_token_unpermute(out, local_rows, None)
 

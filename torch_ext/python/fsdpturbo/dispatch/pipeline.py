@@ -127,19 +127,19 @@ class Strategy:
         """The slice's token rows in the order they are sent (by destination rank)."""
         raise NotImplementedError
 
-    def unpermute(self, back, route, weights):
-        """The returned rows combined into one row per token, weighted by the router."""
-        raise NotImplementedError
+    def dispatch(self, hidden, route, ep_group):
+        return all_to_all(self.permute(hidden, route), route.output_splits, route.input_splits, ep_group)
 
     def compute(self, module, received, route, ep_group):
         """The local experts on the received rows; rows in the order they were received."""
         raise NotImplementedError
 
-    def dispatch(self, hidden, route, ep_group):
-        return all_to_all(self.permute(hidden, route), route.output_splits, route.input_splits, ep_group)
-
     def combine(self, y, route, weights, ep_group):
         return self.unpermute(all_to_all(y, route.input_splits, route.output_splits, ep_group), route, weights)
+
+    def unpermute(self, back, route, weights):
+        """The returned rows combined into one row per token, weighted by the router."""
+        raise NotImplementedError
 
 
 def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False, slices=1):

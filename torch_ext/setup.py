@@ -39,7 +39,7 @@ setup(
     version="0.1.0",
     description="Expert-parallel and expert-sharded-FSDP engine for Mixture-of-Experts training",
     package_dir={"": "python"},
-    packages=["fsdpturbo", "fsdpturbo.llamafactory", "fsdp_turbo", "fsdp_turbo.distributed",
+    packages=["fsdpturbo", "fsdpturbo.dispatch", "fsdpturbo.llamafactory", "fsdp_turbo", "fsdp_turbo.distributed",
               "fsdp_turbo.distributed.expert_parallel", "fsdp_turbo.ops", "fsdp_turbo.utils"],
     python_requires=">=3.10",
     cmdclass={"build_py": BuildWithCMake},

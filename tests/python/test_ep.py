@@ -207,9 +207,9 @@ def test_fused_and_eager_agree_in_bf16_and_fused_is_deterministic():
 def _user_dispatcher(ep_group, module, hidden_states, top_k_index, top_k_weights):
     """A user callable, bound to the EP group as the seed does: delegates to eager."""
     module.user_calls = getattr(module, "user_calls", 0) + 1
-    from fsdpturbo.ep import _eager_forward
+    from fsdpturbo.dispatch.eager import eager_forward
 
-    return _eager_forward(module, hidden_states, top_k_index, top_k_weights, ep_group=ep_group)
+    return eager_forward(module, hidden_states, top_k_index, top_k_weights, ep_group=ep_group)
 
 
 def _callable_rank_fn(rank, world):
@@ -235,7 +235,36 @@ def test_user_callable_dispatcher_and_argument_normalisation():
 def test_unknown_and_npu_only_dispatchers_fail_when_the_plan_is_made():
     from fsdpturbo.ep import get_dispatcher_fn
 
-    with pytest.raises(RuntimeError, match=r"Unsupported dispatcher moonep2\."):
+    with pytest.raises(RuntimeError, match=r"Unsupported dispatcher moonep2\. "
+                                           r"Supported: \['domino', 'eager', 'fused', 'mc2'\]"):
         get_dispatcher_fn("moonep2", None)
+    with pytest.raises(NotImplementedError, match=r"The 'moonep' dispatcher is not implemented by fsdpturbo"):
+        get_dispatcher_fn("moonep", None)
     with pytest.raises(RuntimeError, match=r"'mc2' dispatcher runs only on Ascend NPUs"):
         get_dispatcher_fn("mc2", None)
+
+
+def _compile_rank_fn(rank, world):
+    """torch.compile of an EP block (dynamo, eager backend: graph breaks at the host copies of
+    the counts) gives eager's outputs and gradients for every dispatcher."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    x_all, cotangent = _data(world, torch.float64)
+    rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    for dispatcher in ("eager", "fused", "domino"):
+        results = []
+        for compiled in (False, True):
+            block = _block(8, 2, torch.float64)
+            expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher))
+            run = torch.compile(block, backend="eager") if compiled else block
+            x = x_all[rows].clone().requires_grad_(True)
+            out = run(x.unsqueeze(0)).squeeze(0)
+            (out * cotangent[rows]).sum().backward()
+            results.append([out.detach(), x.grad, block.experts.gate_up_proj.grad.to_local(), block.gate.weight.grad])
+        for want, got in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_compile_of_an_ep_block_equals_eager():
+    run_ranks(_compile_rank_fn, 1, timeout=300)

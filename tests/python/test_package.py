@@ -46,6 +46,19 @@ def test_from_config_uses_the_yaml_topology():
     assert state.group_ranks("expert", ("efsdp", "ep"), 3) == [1, 3, 5, 7, 9, 11, 13, 15]
 
 
+
+def test_a_parsed_config_is_read_as_parsed():
+    from fsdpturbo.config import TrainConfig
+
+    config = TrainConfig("examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml")
+    assert TrainConfig.of(config) is config
+    assert config.values == fsdpturbo.parse_train_config("examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml")
+    copy = fsdpturbo.parse_train_config(config)
+    copy["dist"]["ep_size"] = 1  # a copy: the parsed object is unchanged
+    assert config.values["dist"]["ep_size"] == 4
+    state = fsdpturbo.ParallelState.from_config(config, 16)
+    assert state.mesh_shape("expert") == (1, 2, 4, 2)
+
 def _meshes_match_torch(rank, world, cp, ep, efsdp):
     state = fsdpturbo.ParallelState(world, cp_size=cp, ep_size=ep, efsdp_size=efsdp).init_device_meshes("cpu")
     assert state.expert_mesh.mesh_dim_names == ("edp", "efsdp", "ep", "expert_cp")

@@ -133,6 +133,31 @@ def test_three_adamw_steps_equal_single_process(family):
     run_ranks(_train_rank_fn, 4, family, LAYOUTS + EXTRA[family], timeout=400)
 
 
+
+def _parse_once_rank_fn(rank, world):
+    """shard_model parses the training configuration once: the parallel state (made from it
+    here: none is given) and the plan read the parsed object."""
+    import fsdpturbo
+    from fsdpturbo import config as config_module
+    from fsdpturbo.engine import shard_model
+
+    parse, parsed = config_module._parse, []
+    config_module._parse = lambda source: parsed.append(source) or parse(source)
+    fsdpturbo.reset_parallel_state()
+    try:
+        model = shard_model(build_model("qwen3_moe"), train_config(2))
+    finally:
+        config_module._parse = parse
+    assert len(parsed) == 1, parsed
+    assert fsdpturbo.get_parallel_state().ep_size == 2
+    ids = batch(0, world)
+    assert torch.isfinite(model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss)
+    fsdpturbo.reset_parallel_state()
+
+
+def test_shard_model_parses_the_configuration_once():
+    run_ranks(_parse_once_rank_fn, 2)
+
 def _bf16_rank_fn(rank, world):
     from fsdpturbo.engine import shard_model
 

@@ -3,6 +3,7 @@
 Every rule, number and plan comes from the Rust core (through its C ABI); this package does
 what must be Python: torch DeviceMeshes, DTensors and torch.distributed calls.
 """
+from . import moe_ops
 from ._native import FsdpturboError, FsdpturboValueError, ops
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import parse_train_config
@@ -17,6 +18,7 @@ from .registry import dispatch_op, get_op, register_op
 from .topology import ParallelState, get_parallel_state, initialize_parallel_state, reset_parallel_state
 from .weights import full_state_dict, load_hf_weights, meta_parameters, save_hf_weights
 
+moe_ops.register()  # the MoE ops' autograd and fake kernels (explicitly, not by import order)
 __version__ = ops.version()
 
 __all__ = [

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import load_model_weights
-from .config import parse_train_config
+from .config import TrainConfig
 from .consistency import check_same_on_every_rank, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
@@ -122,18 +122,18 @@ def materialize(model, device, weights=None, copy_fn=None, dcp_path=None):
     return model
 
 
-def _state_for(train_config, device_type):
+def _state_for(config, device_type):
     state = get_parallel_state()
     if state is None:
-        state = ParallelState.from_config(train_config, dist.get_world_size()).init_device_meshes(device_type)
+        state = ParallelState.from_config(config, dist.get_world_size()).init_device_meshes(device_type)
         state = initialize_parallel_state(state)
     return state
 
 
 def shard_model(model, train_config, *, weights=None, state=None, device=None):
     """Shards a Hugging Face MoE model for training under `train_config` (a training YAML path,
-    YAML text or dict, as `parse_train_config` takes) and returns it (same object, parameters
-    replaced: build the optimizer afterwards):
+    YAML text or dict, as `parse_train_config` takes, or a `TrainConfig`; parsed once) and
+    returns it (same object, parameters replaced: build the optimizer afterwards):
 
     1. parameters cast to bf16 when `bf16: true`, else float32 (the storage dtype), and the
        model type's prepare function (`FSDPTurboEPModelSpec`) when it has one;
@@ -153,7 +153,8 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     Collective: every rank calls it with the same arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    cfg = parse_train_config(train_config)
+    config = TrainConfig.of(train_config)  # parsed once: the state and the plan read this object
+    cfg = config.values
     check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model)},
                              "shard_model")
     dist_cfg = cfg.get("dist") or {}
@@ -168,9 +169,9 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     model = spec.prepare(model) if spec is not None else model
     device_type = torch.device(device).type if device is not None else \
         _DEVICE_OF_BACKEND.get(dist.get_backend(), "cpu")
-    state = state or _state_for(train_config, device_type)
+    state = state or _state_for(config, device_type)
     device = torch.device(device) if device is not None else _default_device(device_type)
-    plan = resolve_plan(model, train_config, state)
+    plan = resolve_plan(model, config, state)
     for warning in plan["warnings"]:
         logger.warning("fsdpturbo plan: %s", warning)
     factor = plan["gradient_divide_factor"]

@@ -46,10 +46,10 @@ def _model_type(model):
 
 
 def resolve_plan(model, train_config, state):
-    """The plan of `model` (an nn.Module, possibly on meta) under `train_config` (anything
-    `parse_train_config` accepts) and `state` (a ParallelState), as a dict: `ep_modules`
-    ([{name, num_global_experts, num_local_experts}]), `efsdp_modules`, `hook_modules`,
-    `params` ([{name, shape, role}], role one of expert, ignored, dense),
+    """The plan of `model` (an nn.Module, possibly on meta) under `train_config` (a `TrainConfig`,
+    read as parsed, or anything `parse_train_config` accepts) and `state` (a ParallelState), as
+    a dict: `ep_modules` ([{name, num_global_experts, num_local_experts}]), `efsdp_modules`,
+    `hook_modules`, `params` ([{name, shape, role}], role one of expert, ignored, dense),
     `ignored_params`, `gradient_divide_factor`, `seed_gradient_divide_factor`, `warnings`."""
     with config_handle(train_config) as config:
         modules, n_modules = _strings([name for name, _ in model.named_modules()])

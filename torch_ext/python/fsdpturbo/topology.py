@@ -4,7 +4,7 @@ import ctypes
 
 from . import _native
 from ._native import check, lib, u64_out
-from .config import parse_train_config
+from .config import TrainConfig
 
 _MESHES = {"data": _native.MESH_DATA, "model": _native.MESH_MODEL, "expert": _native.MESH_EXPERT}
 _DIM_NAMES = {"data": ("dp", "cp"), "model": ("mp_replicate", "mp_shard"),
@@ -27,8 +27,9 @@ class ParallelState:
 
     @classmethod
     def from_config(cls, config, world_size):
-        """The topology a training config (path, YAML text or dict) asks for on `world_size` ranks."""
-        cfg = parse_train_config(config)
+        """The topology a training config (a `TrainConfig`, or a path, YAML text or dict) asks for
+        on `world_size` ranks."""
+        cfg = TrainConfig.of(config).values
         dist_config = cfg.get("dist") or {}
         return cls(world_size, dp_size=cfg.get("dp_size"), cp_size=cfg["cp_size"],
                    mp_replicate_size=cfg["mp_replicate_size"], mp_shard_size=cfg.get("mp_shard_size"),

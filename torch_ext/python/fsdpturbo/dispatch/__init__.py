@@ -1,0 +1,97 @@
+"""The token dispatchers of expert parallelism, by name: eager, fused, mc2 and domino, each a
+strategy in one common pipeline (fsdpturbo.dispatch.pipeline: prepare → counts → route →
+dispatch → expert compute → combine), the expert compute in fsdpturbo.dispatch.experts, and
+where kernels run (NPU, test double) in fsdpturbo.dispatch.device.
+
+The seed's contract (reference/seed-semantics.md §4–§5), with DESIGN §4 fixes: expert ids
+outside [0, E) are an error on every rank (no rank hangs), experts == ep works, and split
+sizes reach the host synchronously before the all-to-all.
+"""
+import dataclasses
+import types
+from typing import Callable, Optional
+
+from . import mc2
+from .eager import domino_forward, eager_forward
+from .fused import fused_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatcher:
+    """A named dispatcher: `forward(module, hidden_states, top_k_index, top_k_weights, *,
+    ep_group, fixed_router)`, and `check(ep_group)`, what rules it out when it is bound (the
+    host, the group size)."""
+    name: str
+    forward: Callable
+    check: Optional[Callable] = None
+
+
+DISPATCHERS = {d.name: d for d in (Dispatcher("eager", eager_forward), Dispatcher("fused", fused_forward),
+                                   Dispatcher("mc2", mc2.mc2_forward, mc2.check_available),
+                                   Dispatcher("domino", domino_forward))}
+NOT_IMPLEMENTED = ("moonep",)  # accepted by the seed's configuration, not implemented here
+
+
+def check_implemented(name):
+    """Raises NotImplementedError for a dispatcher the seed names but fsdpturbo does not build."""
+    if isinstance(name, str) and name in NOT_IMPLEMENTED:
+        raise NotImplementedError(f"The {name!r} dispatcher is not implemented by fsdpturbo.")
+
+
+def lookup(name):
+    """The dispatcher called `name`; an unknown name raises the seed's error with the accepted ones."""
+    check_implemented(name)
+    if not isinstance(name, str) or name not in DISPATCHERS:
+        raise RuntimeError(f"Unsupported dispatcher {name}. Supported: {sorted(DISPATCHERS)}")
+    return DISPATCHERS[name]
+
+
+class BoundDispatcher:
+    """A dispatcher's forward bound to an EP group: `(module, hidden_states, top_k_index,
+    top_k_weights)`."""
+
+    def __init__(self, forward, ep_group, fixed_router=False):
+        self.forward, self.ep_group, self.fixed_router = forward, ep_group, fixed_router
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights):
+        return self.forward(module, hidden_states, top_k_index, top_k_weights, ep_group=self.ep_group,
+                            fixed_router=self.fixed_router)
+
+
+class UserDispatcher:
+    """A user's callable bound to the EP group as the seed does: `fn(ep_group, module,
+    hidden_states, top_k_index, top_k_weights)`."""
+
+    def __init__(self, fn, ep_group):
+        self.fn, self.ep_group = fn, ep_group
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights):
+        return self.fn(self.ep_group, module, hidden_states, top_k_index, top_k_weights)
+
+
+def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
+    """The forward for `dispatcher` (a name, or a callable bound to the group, as the seed
+    selects), as `forward(module, hidden_states, top_k_index, top_k_weights)`."""
+    if callable(dispatcher):
+        return UserDispatcher(dispatcher, ep_group)
+    entry = lookup(dispatcher)
+    if entry.check is not None:
+        entry.check(ep_group)
+    return BoundDispatcher(entry.forward, ep_group, fixed_router)
+
+
+def moe_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The forward of an expert module under expert parallelism: its bound dispatcher
+    (`self.ep_dispatcher`). A plain function bound with `types.MethodType`, so torch.compile
+    traces it."""
+    return self.ep_dispatcher(self, hidden_states, top_k_index, top_k_weights)
+
+
+def install(module, forward):
+    """Makes `forward` (a `get_dispatcher_fn` result) the forward of expert module `module`."""
+    module.ep_dispatcher = forward
+    module.forward = types.MethodType(moe_forward, module)
+
+
+__all__ = ["BoundDispatcher", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher", "check_implemented",
+           "get_dispatcher_fn", "install", "lookup", "moe_forward"]

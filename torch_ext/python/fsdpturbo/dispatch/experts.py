@@ -1,0 +1,91 @@
+"""Expert compute: the local experts' MLP on rows already grouped by local expert, as a loop of
+per-expert matmuls (the seed's `experts_computation`) or as two grouped matmuls (the op
+library's `grouped_mm`), and the expert weights as the forward uses them (local slices whose
+backward reduces the gradient while expert parallelism alone owns it)."""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .._native import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReduction:
+    """What the backward does to an expert weight's gradient while expert parallelism alone
+    owns it: SUM over `groups` (the ranks holding replicas of the same experts), then divide
+    by `factor` (DESIGN §4.1)."""
+    groups: tuple
+    factor: float
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the backward applies a `GradientReduction` to the incoming gradient.
+    Linear, so it is right per micro-batch under gradient accumulation, and it runs once per
+    use of the weight, also when activation checkpointing recomputes the forward."""
+
+    @staticmethod
+    def forward(ctx, weight, reduction):
+        ctx.reduction = reduction
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        for group in ctx.reduction.groups:
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return grad.div_(ctx.reduction.factor), None
+
+
+def expert_weight(module, name):
+    """The local slice of expert weight `name` of an EP module, as the forward uses it. Until
+    `expert_fully_shard_modules` takes the module over, its backward reduces and divides the
+    gradient (`module.ep_gradient_reduction`)."""
+    weight = getattr(module, name)
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    reduction = getattr(module, "ep_gradient_reduction", None)
+    if reduction is not None and local.requires_grad:
+        local = _ReduceGradient.apply(local, reduction)
+    return local
+
+
+def expert_weights(module):
+    """The local (gate_up_proj, down_proj) slices: [L, 2·I, H] and [L, H, I]."""
+    return expert_weight(module, "gate_up_proj"), expert_weight(module, "down_proj")
+
+
+def activation(module, gate_up):
+    """act(gate) · up from the first matmul's output [rows, 2·I], with the module's `limit`
+    clamp when it has one (gpt-oss style)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    limit = getattr(module, "limit", None)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return module.act_fn(gate) * up
+
+
+def mlp_loop(module, x, tokens_per_local_expert):
+    """The expert MLP on rows grouped by local expert, one expert at a time (seed
+    `experts_computation`)."""
+    gate_up, down = expert_weights(module)
+    outputs, start = [], 0
+    # Every local expert runs, also on zero rows, so each gets a (zero) weight gradient and
+    # the gradient reductions of every rank line up.
+    for expert, rows in enumerate(tokens_per_local_expert):
+        chunk = x[start:start + rows]
+        start += rows
+        outputs.append(F.linear(activation(module, F.linear(chunk, gate_up[expert])), down[expert]))
+    return torch.cat(outputs)
+
+
+def grouped_mlp(module, grouped, per_expert, tokens_per_local_expert):
+    """The expert MLP as two grouped matmuls over rows grouped by local expert (`per_expert`
+    rows each, a tensor; `tokens_per_local_expert` the same on the host); the loop when no
+    local expert has a row, as the seed does."""
+    if sum(tokens_per_local_expert) == 0:
+        return mlp_loop(module, grouped, tokens_per_local_expert)
+    gate_up, down = expert_weights(module)
+    hidden = activation(module, ops.grouped_mm(grouped, per_expert, gate_up))
+    return ops.grouped_mm(hidden.contiguous(), per_expert, down)

@@ -1,0 +1,107 @@
+"""The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
+(`torch.ops.fsdpturbo`: host kernels on CPU; NVRTC-compiled kernels and cuBLAS /
+`torch._grouped_mm` on CUDA), or on Ascend NPUs (and their test double) the aclnn token
+permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._native import ops
+from . import device, experts
+from .pipeline import Strategy, run
+
+
+@dataclasses.dataclass
+class Route:
+    permutation: torch.Tensor           # slot rows in send order (`moe_route`)
+    top_k: int
+    input_splits: List[int]
+    output_splits: List[int]
+    per_expert: torch.Tensor            # rows per local expert (`moe_receive`)
+    local_order: torch.Tensor           # receive order → local-expert-major
+
+
+class FusedStrategy(Strategy):
+    """The op library's kernels: `moe_route` counts and sorts in one pass, `moe_receive` derives
+    what this rank receives from the gathered counts."""
+
+    @staticmethod
+    def count(index, num_experts, ep_size):
+        counts, permutation, splits = ops.moe_route(index, num_experts, ep_size)
+        return counts, (permutation, splits)
+
+    def route(self, module, index, counts, kept, ep_group):
+        permutation, splits = kept
+        per_expert, output_splits, local_order = ops.moe_receive(counts, dist.get_rank(ep_group))
+        return Route(permutation=permutation, top_k=index.size(1), input_splits=splits.tolist(),
+                     output_splits=output_splits.tolist(), per_expert=per_expert, local_order=local_order)
+
+    def permute(self, hidden, route):
+        return ops.moe_permute(hidden.contiguous(), route.permutation, route.top_k)
+
+    def compute(self, module, received, route, ep_group):
+        grouped = ops.moe_permute(received, route.local_order, 1)
+        out = experts.grouped_mlp(module, grouped, route.per_expert, route.per_expert.tolist())
+        return ops.moe_unpermute(out, route.local_order, None, out.size(0), 1)
+
+    def unpermute(self, back, route, weights):
+        tokens, top_k = weights.shape
+        return ops.moe_unpermute(back.contiguous(), route.permutation, weights, tokens, top_k)
+
+
+@dataclasses.dataclass
+class HostRoute:
+    """Routing by expert id with the counts on the host (the NPU kernels and mc2)."""
+    index: torch.Tensor                 # the slice's expert ids [t, K]
+    sends: List[int]                    # my rows per global expert
+    blocks: List[int]                   # rows each rank sends to each of my local experts, [P·L] source-major
+    input_splits: List[int]
+    output_splits: List[int]
+    tokens_per_local_expert: List[int]
+    slot_rows: Optional[torch.Tensor] = None  # set by `permute`: each slot's row, for the combine
+
+
+class TokenPermuteStrategy(Strategy):
+    """The NPU kernels: counts by bincount on the device (one host copy of the gathered counts),
+    both permutes by expert id (`aclnnMoeTokenPermute`), both combines by slot rows
+    (`aclnnMoeTokenUnpermute`)."""
+
+    def route(self, module, index, counts, kept, ep_group):
+        local, ep_size, ep_rank = module.num_local_experts, dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        counts = counts.tolist()
+        sends = counts[ep_rank]
+        blocks = [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]
+        return HostRoute(index=index, sends=sends, blocks=blocks,
+                         input_splits=[sum(sends[p * local:(p + 1) * local]) for p in range(ep_size)],
+                         output_splits=[sum(blocks[p * local:(p + 1) * local]) for p in range(ep_size)],
+                         tokens_per_local_expert=[sum(blocks[j::local]) for j in range(local)])
+
+    def permute(self, hidden, route):
+        permuted, route.slot_rows = ops.moe_token_permute(hidden.contiguous(), route.index)
+        return permuted
+
+    def compute(self, module, received, route, ep_group):
+        local, ep_size, dev = module.num_local_experts, dist.get_world_size(ep_group), received.device
+        local_ids = torch.arange(local, device=dev).repeat(ep_size).repeat_interleave(
+            torch.tensor(route.blocks, device=dev))
+        grouped, local_rows = ops.moe_token_permute(received, local_ids)
+        per_expert = torch.tensor(route.tokens_per_local_expert, dtype=torch.int64, device=dev)
+        out = experts.grouped_mlp(module, grouped, per_expert, route.tokens_per_local_expert)
+        return ops.moe_token_unpermute(out, local_rows, None)
+
+    def unpermute(self, back, route, weights):
+        return ops.moe_token_unpermute(back.contiguous(), route.slot_rows, weights)
+
+
+FUSED = FusedStrategy()
+TOKEN_PERMUTE = TokenPermuteStrategy()
+
+
+def fused_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False):
+    """The fused dispatcher's forward: the NPU kernels for tensors they serve, else the op
+    library's routing kernels."""
+    strategy = TOKEN_PERMUTE if device.runs_npu_kernels(hidden_states) else FUSED
+    return run(strategy, module, hidden_states, top_k_index, top_k_weights, ep_group=ep_group,
+               fixed_router=fixed_router)

@@ -1,0 +1,164 @@
+"""The one dispatch pipeline every dispatcher runs:
+
+    prepare → counts → route → dispatch → expert compute → combine
+
+`prepare` normalises the router's output; `counts` counts each slice's rows per global expert
+and all-gathers them over the EP group (ids outside [0, E) fail on every rank: no rank hangs);
+a `Strategy` turns the gathered counts into routing metadata (`route`, split sizes on the host
+before any all-to-all: DESIGN §4.5), sends the rows to their experts' ranks (`dispatch`),
+regroups them by local expert around the expert compute (`compute`, fsdpturbo.dispatch.experts)
+and brings them back, weighted by the router (`combine`). A dispatcher is a strategy and a
+number of slices: with two (domino) every slice's dispatch is issued before the first slice's
+experts run, so the second all-to-all is in flight meanwhile.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def normalize_expert_args(top_k_index, top_k_weights):
+    """The seed's argument normalisation: swapped arguments, full router probabilities [T, E]."""
+    if torch.is_floating_point(top_k_index):
+        top_k_index, top_k_weights = top_k_weights, top_k_index
+    if top_k_weights.size() != top_k_index.size():
+        top_k_weights = top_k_weights.gather(1, top_k_index)
+    return top_k_index, top_k_weights
+
+
+def fixed_router_for_debug(top_k_index, top_k_weights, num_experts):
+    """The seed's debug router: token t, slot k → expert (t + k) % E with weight 1/K."""
+    with torch.no_grad():
+        if top_k_index.dim() == 1:
+            index = torch.arange(top_k_index.numel(), device=top_k_index.device) % num_experts
+        else:
+            t = torch.arange(top_k_index.size(0), device=top_k_index.device).unsqueeze(1)
+            k = torch.arange(top_k_index.size(1), device=top_k_index.device).unsqueeze(0)
+            index = (t + k) % num_experts
+        weights = torch.full_like(top_k_weights, 1.0 / top_k_index.size(-1))
+    return index.to(top_k_index.dtype), weights
+
+
+def prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
+    """Tokens [T, H], expert ids [T, K] and their weights [T, K] from the block's arguments."""
+    hidden = hidden_states.reshape(-1, hidden_states.size(-1))
+    top_k_index, top_k_weights = normalize_expert_args(top_k_index, top_k_weights)
+    top_k = top_k_index.size(-1) if top_k_index.dim() > 1 else 1
+    top_k_index = top_k_index.reshape(hidden.size(0), top_k)
+    top_k_weights = top_k_weights.reshape(hidden.size(0), top_k)
+    if fixed_router:
+        top_k_index, top_k_weights = fixed_router_for_debug(top_k_index, top_k_weights, module.num_global_experts)
+    return hidden, top_k_index, top_k_weights
+
+
+def shaped_like(out, hidden_states):
+    """`out` in the shape of `hidden_states`; not a view when the shapes already agree (FSDP2
+    warns about a wrapped module returning a view: in-place ops on it would skip its hooks)."""
+    return out if out.shape == hidden_states.shape else out.view(hidden_states.shape)
+
+
+def gathered_counts(index_per_slice, num_experts, ep_group, count):
+    """Each slice's expert counts (`count(index, num_experts, ep_size)` → (counts [E], what the
+    strategy keeps of it)), all-gathered over the EP group: ([P, S, E + 1], kept per slice). The
+    extra column carries "this rank has out-of-range ids" (`count` is then not called), so a bad
+    rank fails everywhere instead of leaving the others waiting in the next collective."""
+    world = dist.get_world_size(ep_group)
+    rows, kept = [], []
+    for index in index_per_slice:
+        flat = index.reshape(-1)
+        row = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+        keep = None
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+            row[num_experts] = 1
+        else:
+            row[:num_experts], keep = count(index, num_experts, world)
+        rows.append(row)
+        kept.append(keep)
+    local = torch.stack(rows)
+    gathered = torch.empty((world * local.size(0), local.size(1)), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=ep_group)
+    return gathered.view(world, local.size(0), local.size(1)), kept
+
+
+def bincount(index, num_experts, ep_size):
+    """The default count: rows per global expert, nothing kept."""
+    return torch.bincount(index.reshape(-1).long(), minlength=num_experts), None
+
+
+def check_ids(flat, top_k, num_experts, gathered, ep_group):
+    """Raises on every rank when any rank of the group routed to an id outside [0, E)."""
+    if int(gathered[..., num_experts].sum()) == 0:
+        return
+    bad = ((flat < 0) | (flat >= num_experts)).nonzero()
+    if bad.numel():
+        j = int(bad[0, 0])
+        raise ValueError(f"expert id {int(flat[j])} at token {j // top_k}, slot {j % top_k} is outside "
+                         f"[0, {num_experts}): top_k_index must hold expert ids of this layer")
+    ranks = dist.get_process_group_ranks(ep_group)
+    offenders = [ranks[s] for s in range(gathered.size(0)) if int(gathered[s, :, num_experts].sum())]
+    raise ValueError(f"expert ids outside [0, {num_experts}) on rank(s) {offenders} of this EP group; "
+                     f"every rank of the group stops")
+
+
+def all_to_all(x, output_splits, input_splits, ep_group):
+    """The rows' all-to-all over the EP group, with autograd (none with one rank)."""
+    if dist.get_world_size(ep_group) == 1:
+        return x
+    return all_to_all_single_autograd(x, output_splits, input_splits, ep_group)
+
+
+def inverse(permutation):
+    out = torch.empty_like(permutation)
+    out[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return out
+
+
+class Strategy:
+    """How one dispatcher does the steps after the counts. `count` (default: bincount) may keep
+    what it computed for `route`; `dispatch` and `combine` default to a local permute around the
+    all-to-all (`route.input_splits` rows sent to each rank, `route.output_splits` received)."""
+
+    count = staticmethod(bincount)
+
+    def route(self, module, index, counts, kept, ep_group):
+        """Routing metadata of one slice from its ids [t, K] and the gathered counts [P, E]."""
+        raise NotImplementedError
+
+    def permute(self, hidden, route):
+        """The slice's token rows in the order they are sent (by destination rank)."""
+        raise NotImplementedError
+
+    def dispatch(self, hidden, route, ep_group):
+        return all_to_all(self.permute(hidden, route), route.output_splits, route.input_splits, ep_group)
+
+    def compute(self, module, received, route, ep_group):
+        """The local experts on the received rows; rows in the order they were received."""
+        raise NotImplementedError
+
+    def combine(self, y, route, weights, ep_group):
+        return self.unpermute(all_to_all(y, route.input_splits, route.output_splits, ep_group), route, weights)
+
+    def unpermute(self, back, route, weights):
+        """The returned rows combined into one row per token, weighted by the router."""
+        raise NotImplementedError
+
+
+def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False, slices=1):
+    """The forward of an expert module prepared by `expert_parallelize_modules` under `strategy`,
+    the tokens in `slices` slices (1, or 2: domino)."""
+    hidden, index, weights = prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
+    tokens, top_k = index.shape
+    num_experts = module.num_global_experts
+    if slices == 1:
+        parts = [(hidden, index, weights)]
+    else:
+        size = -(-tokens // slices)
+        bounds = [(min(i * size, tokens), min((i + 1) * size, tokens)) for i in range(slices)]
+        parts = [(hidden[a:b], index[a:b], weights[a:b]) for a, b in bounds]
+    counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
+    check_ids(index.reshape(-1), top_k, num_experts, counts, ep_group)
+    routes = [strategy.route(module, part[1], counts[:, i, :num_experts], kept[i], ep_group)
+              for i, part in enumerate(parts)]
+    received = [strategy.dispatch(part[0], route, ep_group) for part, route in zip(parts, routes)]
+    outputs = [strategy.combine(strategy.compute(module, rows, route, ep_group), route, part[2], ep_group)
+               for part, rows, route in zip(parts, received, routes)]
+    return shaped_like(outputs[0] if len(outputs) == 1 else torch.cat(outputs), hidden_states)

@@ -11,10 +11,10 @@ use std::ffi::{c_int, c_void};
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
+use super::Stream;
 use super::cuda::{CUstream, driver};
 use super::kernels::Elem;
 use super::{LibrarySpec, Loaded, load};
-use crate::comm::Stream;
 use crate::error::{Error, ErrorKind, Result};
 
 type Status = c_int;

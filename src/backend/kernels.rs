@@ -14,9 +14,9 @@ use std::ffi::c_void;
 
 use parking_lot::Mutex;
 
+use super::Stream;
 use super::cuda::{CUfunction, Driver, driver};
 use super::nvrtc::{Output, nvrtc};
-use crate::comm::Stream;
 use crate::error::{Error, ErrorKind, Result};
 use crate::norm::NormType;
 

@@ -8,6 +8,7 @@
 
 use std::ffi::c_void;
 
+pub use crate::backend::Stream;
 use crate::error::{Error, Result};
 
 pub mod hccl;
@@ -45,14 +46,6 @@ pub enum ReduceOp {
     Prod,
     Max,
     Min,
-}
-
-/// A device stream (`cudaStream_t`, `aclrtStream`), or null for host collectives.
-#[derive(Clone, Copy, Debug)]
-pub struct Stream(pub *mut c_void);
-
-impl Stream {
-    pub const HOST: Stream = Stream(std::ptr::null_mut());
 }
 
 /// One process group's collectives. Every rank of the group must make the same calls in the

@@ -6,9 +6,9 @@
 
 use std::ffi::c_void;
 
+use crate::backend::Stream;
 use crate::backend::cublas::{self, GemmBuffers, GemmKind};
 use crate::backend::kernels::{self, DeviceTensor, Elem, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
-use crate::comm::Stream;
 use crate::ffi::dtype::Dtype;
 use crate::ffi::error::FfiError;
 use crate::ffi::handle::{arg_slice, invalid, write_out, write_slice};

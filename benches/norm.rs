@@ -9,9 +9,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use fsdpturbo::dtype::{bf16_to_f32, f32_to_bf16};
 use fsdpturbo::norm::{
-    HostBuf, HostBufMut, NormType, bf16_to_f32, f32_to_bf16, local_power_sum, local_power_sum_threads,
-    scale_in_place,
+    HostBuf, HostBufMut, NormType, local_power_sum, local_power_sum_threads, scale_in_place,
 };
 
 const TENSORS: usize = 300;

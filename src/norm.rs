@@ -36,6 +36,7 @@
 //! [`BLOCK_ELEMS`] elements, element i of a block always goes to accumulator i mod 16, and the
 //! block results are combined sequentially in buffer and block order.
 
+use crate::dtype::{Dtype, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{Error, Result};
 
 /// The order of the norm.
@@ -204,6 +205,39 @@ pub enum HostBufMut<'a> {
 }
 
 impl<'a> HostBuf<'a> {
+    /// Its element type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            HostBuf::F32(_) => Dtype::F32,
+            HostBuf::F64(_) => Dtype::F64,
+            HostBuf::F16(_) => Dtype::F16,
+            HostBuf::Bf16(_) => Dtype::Bf16,
+        }
+    }
+
+    /// `len` elements of `dtype` at `ptr` (no elements: `ptr` is not read and may be NULL);
+    /// `None` when `dtype` is not a floating-point type.
+    ///
+    /// # Safety
+    /// When `len > 0`, `ptr` is aligned for `dtype` and `len` elements there are readable and
+    /// not written for `'a`.
+    pub unsafe fn from_raw(ptr: *const u8, len: usize, dtype: Dtype) -> Option<HostBuf<'a>> {
+        /// SAFETY: the caller's contract above.
+        unsafe fn part<'a, T>(ptr: *const u8, len: usize) -> &'a [T] {
+            if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(ptr.cast(), len) } }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            Some(match dtype {
+                Dtype::F32 => HostBuf::F32(part(ptr, len)),
+                Dtype::F64 => HostBuf::F64(part(ptr, len)),
+                Dtype::F16 => HostBuf::F16(part(ptr, len)),
+                Dtype::Bf16 => HostBuf::Bf16(part(ptr, len)),
+                Dtype::U8 | Dtype::I32 | Dtype::I64 => return None,
+            })
+        }
+    }
+
     /// The number of elements.
     pub fn len(&self) -> usize {
         match self {
@@ -227,7 +261,29 @@ impl<'a> HostBuf<'a> {
     }
 }
 
-impl HostBufMut<'_> {
+impl<'a> HostBufMut<'a> {
+    /// [`HostBuf::from_raw`] for writing.
+    ///
+    /// # Safety
+    /// When `len > 0`, `ptr` is aligned for `dtype` and nothing else accesses the `len`
+    /// elements there for `'a`.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize, dtype: Dtype) -> Option<HostBufMut<'a>> {
+        /// SAFETY: the caller's contract above.
+        unsafe fn part<'a, T>(ptr: *mut u8, len: usize) -> &'a mut [T] {
+            if len == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(ptr.cast(), len) } }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            Some(match dtype {
+                Dtype::F32 => HostBufMut::F32(part(ptr, len)),
+                Dtype::F64 => HostBufMut::F64(part(ptr, len)),
+                Dtype::F16 => HostBufMut::F16(part(ptr, len)),
+                Dtype::Bf16 => HostBufMut::Bf16(part(ptr, len)),
+                Dtype::U8 | Dtype::I32 | Dtype::I64 => return None,
+            })
+        }
+    }
+
     /// The number of elements.
     pub fn len(&self) -> usize {
         self.as_buf().len()
@@ -266,78 +322,6 @@ impl HostBufMut<'_> {
             HostBufMut::Bf16(x) => out.extend(x.chunks_mut(block).map(HostBufMut::Bf16)),
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Element conversions.
-
-/// bfloat16 bits to f32 (exact: a bf16 is the top half of an f32).
-#[inline(always)]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
-
-/// f32 to bfloat16 bits, rounding to nearest, ties to even. Overflow gives ±inf; NaN stays a
-/// (quiet) NaN with its sign.
-#[inline(always)]
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
-    let nan = ((bits >> 16) as u16) | 0x0040;
-    if x.is_nan() { nan } else { rounded }
-}
-
-/// IEEE binary16 bits to f32 (exact, including subnormals, ±inf and NaN payloads).
-#[inline(always)]
-pub fn f16_to_f32(bits: u16) -> f32 {
-    // Rebias the exponent in the f32 position; subnormals are normalised by one float
-    // subtraction (exact), inf/nan get the all-ones exponent. Written without branches that
-    // depend on data so the loops that call it vectorise.
-    const SHIFTED_EXP: u32 = 0x7c00 << 13;
-    let magic = f32::from_bits(113 << 23); // 2^-14
-    let h = bits as u32;
-    let sign = (h & 0x8000) << 16;
-    let shifted = (h & 0x7fff) << 13;
-    let exp = shifted & SHIFTED_EXP;
-    let normal = shifted + ((127 - 15) << 23);
-    let inf_nan = normal + ((128 - 16) << 23);
-    let subnormal = (f32::from_bits(normal + (1 << 23)) - magic).to_bits();
-    let magnitude = if exp == SHIFTED_EXP {
-        inf_nan
-    } else if exp == 0 {
-        subnormal
-    } else {
-        normal
-    };
-    f32::from_bits(magnitude | sign)
-}
-
-/// f32 to IEEE binary16 bits, rounding to nearest, ties to even (subnormal results included).
-/// Values that round beyond 65504 give ±inf; NaN stays a (quiet) NaN with its sign.
-#[inline(always)]
-pub fn f32_to_f16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let a = bits & 0x7fff_ffff;
-    // a >= 2^16: overflow (or inf / nan).
-    let big = if a > 0x7f80_0000 { 0x7e00 | ((a >> 13) & 0x3ff) as u16 } else { 0x7c00 };
-    // a < 2^-14: the result is subnormal or zero; adding 0.5 aligns the f16 mantissa with the
-    // bottom of the f32 mantissa, and the float addition rounds to nearest even.
-    let denorm_magic = f32::from_bits(((127 - 15) + (23 - 10) + 1) << 23);
-    let small = (f32::from_bits(a) + denorm_magic).to_bits().wrapping_sub(denorm_magic.to_bits()) as u16;
-    // Normal: rebias and round to nearest even by hand; a carry into the exponent is correct,
-    // including the step from 65504 to inf.
-    let odd = (a >> 13) & 1;
-    let normal =
-        (a.wrapping_add((15u32.wrapping_sub(127) << 23).wrapping_add(0xfff)).wrapping_add(odd) >> 13) as u16;
-    let magnitude = if a >= 0x4780_0000 {
-        big
-    } else if a < 0x3880_0000 {
-        small
-    } else {
-        normal
-    };
-    magnitude | sign
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1055,64 +1039,6 @@ pub fn clip_grad_norm_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The value of binary16 `bits` from its definition, in f64.
-    fn f16_value(bits: u16) -> f64 {
-        let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
-        let exp = ((bits >> 10) & 0x1f) as i32;
-        let mant = (bits & 0x3ff) as f64;
-        match exp {
-            0 => sign * mant * 2f64.powi(-24),
-            31 if mant == 0.0 => sign * f64::INFINITY,
-            31 => f64::NAN,
-            _ => sign * (1.0 + mant / 1024.0) * 2f64.powi(exp - 15),
-        }
-    }
-
-    #[test]
-    fn f16_to_f32_matches_the_definition_for_every_pattern() {
-        for bits in 0..=u16::MAX {
-            let got = f16_to_f32(bits);
-            let want = f16_value(bits);
-            if want.is_nan() {
-                assert!(got.is_nan(), "{bits:#06x}");
-                // The payload and sign survive.
-                assert_eq!(got.to_bits() >> 31, (bits >> 15) as u32, "{bits:#06x}");
-                assert_eq!((got.to_bits() >> 13) & 0x3ff, (bits & 0x3ff) as u32, "{bits:#06x}");
-            } else {
-                assert_eq!(got as f64, want, "{bits:#06x}");
-                assert_eq!(got.is_sign_negative(), bits & 0x8000 != 0, "{bits:#06x}");
-            }
-        }
-    }
-
-    #[test]
-    fn f32_to_f16_round_trips_every_pattern() {
-        for bits in 0..=u16::MAX {
-            let x = f16_to_f32(bits);
-            if x.is_nan() {
-                let back = f32_to_f16(x);
-                assert!(f16_value(back).is_nan(), "{bits:#06x}");
-                assert_eq!(back & 0x8000, bits & 0x8000);
-            } else {
-                assert_eq!(f32_to_f16(x), bits, "{bits:#06x}");
-            }
-        }
-    }
-
-    #[test]
-    fn bf16_round_trips_every_pattern() {
-        for bits in 0..=u16::MAX {
-            let x = bf16_to_f32(bits);
-            let back = f32_to_bf16(x);
-            if x.is_nan() {
-                assert!(bf16_to_f32(back).is_nan(), "{bits:#06x}");
-                assert_eq!(back & 0x8000, bits & 0x8000);
-            } else {
-                assert_eq!(back, bits, "{bits:#06x}");
-            }
-        }
-    }
 
     #[test]
     fn scaling_agrees_with_and_without_avx2_for_every_pattern() {

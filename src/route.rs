@@ -35,8 +35,9 @@
 use std::ops::{Add, Mul};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{Error, ErrorKind, Result};
-use crate::norm::{HostBuf, HostBufMut, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::norm::{HostBuf, HostBufMut};
 
 // ---------------------------------------------------------------------------------------------
 // Routing metadata.

@@ -7,6 +7,7 @@ use std::ffi::c_void;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use fsdpturbo::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use fsdpturbo::error::{Error, Result};
 use fsdpturbo::ffi::dtype::*;
 use fsdpturbo::ffi::error::fsdpturbo_last_error;

@@ -7,6 +7,7 @@
 
 use std::ffi::c_void;
 
+use fsdpturbo::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use fsdpturbo::error::ErrorKind;
 use fsdpturbo::ffi::dtype::{
     FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64,
@@ -14,7 +15,7 @@ use fsdpturbo::ffi::dtype::{
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::route::*;
 use fsdpturbo::ffi::status::*;
-use fsdpturbo::norm::{HostBuf, HostBufMut, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use fsdpturbo::norm::{HostBuf, HostBufMut};
 use fsdpturbo::route::*;
 
 // ---------------------------------------------------------------------------------------------

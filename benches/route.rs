@@ -19,7 +19,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use fsdpturbo::dtype::f32_to_bf16;
-use fsdpturbo::norm::{HostBuf, HostBufMut};
+use fsdpturbo::host::gemm::*;
+use fsdpturbo::host::{HostBuf, HostBufMut, KernelOptions};
 use fsdpturbo::route::*;
 
 const ONE_THREAD: KernelOptions = KernelOptions { threads: Some(1), portable: false };

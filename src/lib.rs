@@ -5,6 +5,7 @@
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod host;
 pub mod norm;
 pub mod ops;
 pub mod pattern;

@@ -13,6 +13,8 @@ use fsdpturbo::ffi::dtype::*;
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::norm::*;
 use fsdpturbo::ffi::status::*;
+use fsdpturbo::host::pnorm::{scale_in_place, scale_in_place_threads};
+use fsdpturbo::host::{HostBuf, HostBufMut};
 use fsdpturbo::norm::*;
 
 // ---------------------------------------------------------------------------------------------

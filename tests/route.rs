@@ -15,7 +15,8 @@ use fsdpturbo::ffi::dtype::{
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::route::*;
 use fsdpturbo::ffi::status::*;
-use fsdpturbo::norm::{HostBuf, HostBufMut};
+use fsdpturbo::host::gemm::*;
+use fsdpturbo::host::{HostBuf, HostBufMut, KernelOptions, PARALLEL_MIN_ELEMS};
 use fsdpturbo::route::*;
 
 // ---------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 //! The CUDA kernels of `csrc/kernels`: their sources (compiled by NVRTC at first use for the
 //! device's compute capability, through the on-disk cache), the modules loaded per device, and
-//! the launch sequences with their argument checks. Semantics are those of the host kernels in
-//! `route.rs` and `norm.rs`; an error found on the device (an out-of-range id, a bad row, a
-//! permutation that is not one) is reported with the host kernels' own message, recomputed from
-//! a host copy of the offending input.
+//! the launch sequences with their argument checks. Semantics are those of `route.rs` and
+//! `norm.rs` (computed on the host by `host/`); an error found on the device (an out-of-range
+//! id, a bad row, a permutation that is not one) is reported with the host's own message,
+//! recomputed from a host copy of the offending input.
 //!
 //! Every pointer here is device memory of the caller (torch tensors), every launch is ordered on
 //! the caller's stream, and nothing is allocated: scratch space comes in as a workspace whose

@@ -10,7 +10,7 @@ use super::status::{
     FSDPTURBO_ERR_STRUCT_SIZE, FSDPTURBO_ERR_UTF8,
 };
 use crate::dtype::Dtype;
-use crate::norm::{HostBuf, HostBufMut};
+use crate::host::{HostBuf, HostBufMut};
 
 /// FSDPTURBO_ERR_INVALID_ARGUMENT with `message`: the error of every argument outside what is
 /// accepted.

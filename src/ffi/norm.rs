@@ -13,9 +13,8 @@ use super::handle::{
 use super::panic::boundary;
 use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
 use crate::dtype::Dtype;
-use crate::norm::{
-    self, ClipOptions, DimRole, GradLayout, HostBufMut, NormType, clip_grad_norm_with, norm_plan,
-};
+use crate::host::HostBufMut;
+use crate::norm::{self, ClipOptions, DimRole, GradLayout, NormType, clip_grad_norm_with, norm_plan};
 
 /// Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
 pub const FSDPTURBO_REDUCE_SUM: i32 = 0;
@@ -338,7 +337,7 @@ pub extern "C" fn fsdpturbo_scale_in_place(grads: *const fsdpturbo_grad_t, n_gra
     boundary(|| {
         let grads = arg_slice(grads, n_grads, "grads")?;
         let mut bufs: Vec<HostBufMut> = mutable_buffers(grads)?.into_iter().map(|(_, buf)| buf).collect();
-        norm::scale_in_place(&mut bufs, coef);
+        crate::host::pnorm::scale_in_place(&mut bufs, coef);
         Ok(())
     })
 }

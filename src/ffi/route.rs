@@ -16,6 +16,7 @@ use super::handle::{
 use super::panic::boundary;
 use super::status::FSDPTURBO_ERR_BUFFER_TOO_SMALL;
 use crate::dtype::Dtype;
+use crate::host::gemm;
 use crate::route;
 
 /// `bytes` must be exactly `want` elements of `dtype`.
@@ -356,9 +357,9 @@ fn grouped(
     };
     let (i, o) = (in_features, out_features);
     Ok(match which {
-        Gemm::Forward => route::grouped_matmul(a, counts, b, i, o, c),
-        Gemm::GradInput => route::grouped_matmul_grad_input(a, counts, b, i, o, c),
-        Gemm::GradWeight => route::grouped_matmul_grad_weight(a, b, counts, i, o, c),
+        Gemm::Forward => gemm::grouped_matmul(a, counts, b, i, o, c),
+        Gemm::GradInput => gemm::grouped_matmul_grad_input(a, counts, b, i, o, c),
+        Gemm::GradWeight => gemm::grouped_matmul_grad_weight(a, b, counts, i, o, c),
     }?)
 }
 

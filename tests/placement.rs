@@ -832,9 +832,9 @@ fn c_abi_copy_plan_and_bytes() {
     assert_eq!(fsdpturbo_copy_bytes(plan, 0, fp, 0, lp, 0), FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().starts_with("`elem_size` is 0"));
     assert_eq!(fsdpturbo_copy_bytes(plan, 2, std::ptr::null(), 48, lp, 16), FSDPTURBO_ERR_NULL_ARGUMENT);
-    assert_eq!(last_error(), "argument `full` must not be NULL");
+    assert_eq!(last_error(), "argument `full` is NULL but must hold 48 elements");
     assert_eq!(fsdpturbo_copy_bytes(plan, 2, fp, 48, std::ptr::null_mut(), 16), FSDPTURBO_ERR_NULL_ARGUMENT);
-    assert_eq!(last_error(), "argument `local` must not be NULL");
+    assert_eq!(last_error(), "argument `local` is NULL but must hold 16 elements");
     assert_eq!(fsdpturbo_copy_bytes(std::ptr::null(), 2, fp, 48, lp, 16), FSDPTURBO_ERR_NULL_ARGUMENT);
     let mut both = vec![0u16; 24];
     let bp = both.as_mut_ptr();
@@ -843,7 +843,10 @@ fn c_abi_copy_plan_and_bytes() {
         fsdpturbo_copy_bytes(plan, 2, bp.cast_const().cast(), 48, inner, 16),
         FSDPTURBO_ERR_INVALID_ARGUMENT
     );
-    assert_eq!(last_error(), "buffers `full` and `local` overlap; they must be distinct");
+    assert_eq!(
+        last_error(),
+        "buffers `local` and `full` overlap; outputs must not share memory with other arguments"
+    );
     assert_eq!(local, [8, 9, 10, 11, 20, 21, 22, 23], "untouched by failed calls");
     fsdpturbo_copy_plan_free(plan);
     fsdpturbo_copy_plan_free(std::ptr::null_mut());

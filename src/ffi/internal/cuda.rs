@@ -159,7 +159,7 @@ pub extern "C" fn fsdpturbo_cuda_multi_tensor_table(
             described.push(DeviceTensor {
                 ptr: addr(ptr),
                 numel: t.numel,
-                elem: float_dtype_arg(t.dtype, &format!("tensors[{i}].dtype"))?,
+                elem: float_dtype_arg(t.dtype, format_args!("tensors[{i}].dtype"))?,
             });
         }
         let (words, chunks) = kernels::multi_tensor_table(&described)?;

@@ -9,10 +9,10 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use fsdpturbo::norm::{
-    HostBuf, HostBufMut, NormType, bf16_to_f32, f32_to_bf16, local_power_sum, local_power_sum_threads,
-    scale_in_place,
-};
+use fsdpturbo::dtype::{bf16_to_f32, f32_to_bf16};
+use fsdpturbo::host::pnorm::scale_in_place;
+use fsdpturbo::host::{HostBuf, HostBufMut};
+use fsdpturbo::norm::{NormType, local_power_sum, local_power_sum_threads};
 
 const TENSORS: usize = 300;
 const TOTAL_BYTES: usize = 256 << 20;

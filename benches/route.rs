@@ -18,7 +18,9 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use fsdpturbo::norm::{HostBuf, HostBufMut, f32_to_bf16};
+use fsdpturbo::dtype::f32_to_bf16;
+use fsdpturbo::host::gemm::*;
+use fsdpturbo::host::{HostBuf, HostBufMut, KernelOptions};
 use fsdpturbo::route::*;
 
 const ONE_THREAD: KernelOptions = KernelOptions { threads: Some(1), portable: false };

@@ -26,20 +26,22 @@
 // Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
 #define FSDPTURBO_HCCL_COMM_NAME_BYTES 128
 
-// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks).
-#define FSDPTURBO_COMM_U8 0
+// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks):
+// the FSDPTURBO_DTYPE_* codes under their former names (one code space since ABI version 2;
+// new code uses FSDPTURBO_DTYPE_*).
+#define FSDPTURBO_COMM_U8 FSDPTURBO_DTYPE_U8
 
-#define FSDPTURBO_COMM_I32 1
+#define FSDPTURBO_COMM_I32 FSDPTURBO_DTYPE_I32
 
-#define FSDPTURBO_COMM_I64 2
+#define FSDPTURBO_COMM_I64 FSDPTURBO_DTYPE_I64
 
-#define FSDPTURBO_COMM_F16 3
+#define FSDPTURBO_COMM_F16 FSDPTURBO_DTYPE_F16
 
-#define FSDPTURBO_COMM_BF16 4
+#define FSDPTURBO_COMM_BF16 FSDPTURBO_DTYPE_BF16
 
-#define FSDPTURBO_COMM_F32 5
+#define FSDPTURBO_COMM_F32 FSDPTURBO_DTYPE_F32
 
-#define FSDPTURBO_COMM_F64 6
+#define FSDPTURBO_COMM_F64 FSDPTURBO_DTYPE_F64
 
 // Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 #define FSDPTURBO_REDUCE_PROD 2
@@ -72,6 +74,15 @@
 
 // Element type code: bfloat16, as uint16_t bit patterns.
 #define FSDPTURBO_DTYPE_BF16 3
+
+// Element type code: uint8_t (collectives only).
+#define FSDPTURBO_DTYPE_U8 4
+
+// Element type code: int32_t (collectives only).
+#define FSDPTURBO_DTYPE_I32 5
+
+// Element type code: int64_t (collectives only).
+#define FSDPTURBO_DTYPE_I64 6
 
 // Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
 #define FSDPTURBO_REDUCE_SUM 0
@@ -131,7 +142,7 @@
 #define FSDPTURBO_MESH_EXPERT 2
 
 // The ABI version: bumped on every incompatible change of this header.
-#define FSDPTURBO_ABI_VERSION 1
+#define FSDPTURBO_ABI_VERSION 2
 
 // Status codes (`int32_t` results; 0 is success). Variants are spelled as in C.
 enum fsdpturbo_status_t
@@ -199,7 +210,7 @@ typedef struct fsdpturbo_plan_t fsdpturbo_plan_t;
 // with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
 
-// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_COMM_* `dtype`,
+// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
 // `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
 typedef int32_t (*fsdpturbo_host_all_reduce_fn)(void *user,
                                                 const void *send,
@@ -467,7 +478,7 @@ void fsdpturbo_comm_free(fsdpturbo_comm_t *comm);
 // This rank and the group size.
 int32_t fsdpturbo_comm_rank(const fsdpturbo_comm_t *comm, size_t *out_rank, size_t *out_world_size);
 
-// All-reduce of `count` elements (FSDPTURBO_COMM_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
+// All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
 // `send` into `recv` (may be equal), in the communicator's memory (device memory ordered on
 // `stream` for NCCL; host memory otherwise, where `stream` is ignored).
 int32_t fsdpturbo_comm_all_reduce(const fsdpturbo_comm_t *comm,

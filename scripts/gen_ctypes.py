@@ -96,15 +96,23 @@ class Abi:
             self.structs[m.group(2)] = [_split_decl(d) for d in decls if d]
         text = re.sub(r"typedef struct \{.*?\} \w+;", "", text, flags=re.S)
         lines = text.splitlines()
+        aliases = {}  # a constant defined as another one (e.g. FSDPTURBO_COMM_F32 FSDPTURBO_DTYPE_F32)
         for line in (line for line in lines if line.startswith("#define")):
             m = re.fullmatch(r"#define\s+(\w+)(?:\s+(.*))?", line)
             name, value = m.group(1), (m.group(2) or "").strip()
             self._prefixed(name, path)
             if not value or value.startswith("{"):  # include guards and the *_INIT initialisers
                 continue
+            if re.fullmatch(r"FSDPTURBO_\w+", value):
+                aliases[name] = value
+                continue
             if not re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", value):
                 raise HeaderError(f"{path.name}: #define {name} {value}: not a number literal")
             self.constants[name] = value
+        for name, target in aliases.items():
+            if target not in self.constants:
+                raise HeaderError(f"{path.name}: #define {name} {target}: not a number constant of the headers")
+            self.constants[name] = self.constants[target]
         body = "\n".join(line for line in lines if not line.startswith("#define"))
         for stmt in body.split(";"):
             self._statement(" ".join(stmt.split()), path)

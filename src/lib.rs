@@ -3,7 +3,9 @@
 
 // Pure core: no I/O, no devices, no globals.
 pub mod config;
+pub mod dtype;
 pub mod error;
+pub mod host;
 pub mod norm;
 pub mod ops;
 pub mod pattern;

@@ -9,7 +9,8 @@ use fsdpturbo::backend::acl::{ACL_INT64, Acl};
 use fsdpturbo::backend::aclnn::{Aclnn, View};
 use fsdpturbo::backend::hccl::Hccl;
 use fsdpturbo::comm::hccl::{HcclCollective, root_info};
-use fsdpturbo::comm::{AllToAllV, Collective, DataType, ReduceOp};
+use fsdpturbo::comm::{AllToAllV, Collective, ReduceOp};
+use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
 fn setup() -> std::sync::MutexGuard<'static, ()> {
@@ -78,7 +79,7 @@ fn hccl_collectives_among_three_ranks() {
                             send.as_ptr().cast(),
                             sum.as_mut_ptr().cast(),
                             2,
-                            DataType::F32,
+                            Dtype::F32,
                             ReduceOp::Sum,
                             st,
                         )
@@ -87,7 +88,7 @@ fn hccl_collectives_among_three_ranks() {
                             send.as_ptr().cast(),
                             max.as_mut_ptr().cast(),
                             2,
-                            DataType::F32,
+                            Dtype::F32,
                             ReduceOp::Max,
                             st,
                         )
@@ -96,13 +97,7 @@ fn hccl_collectives_among_three_ranks() {
                     let mine = [rank as i64; 2];
                     let mut gathered = [0i64; 6];
                     unsafe {
-                        comm.all_gather(
-                            mine.as_ptr().cast(),
-                            gathered.as_mut_ptr().cast(),
-                            2,
-                            DataType::I64,
-                            st,
-                        )
+                        comm.all_gather(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::I64, st)
                     }
                     .unwrap();
                     let blocks: Vec<f64> = (0..3).map(|b| (10 * rank + b) as f64).collect();
@@ -112,7 +107,7 @@ fn hccl_collectives_among_three_ranks() {
                             blocks.as_ptr().cast(),
                             scattered.as_mut_ptr().cast(),
                             1,
-                            DataType::F64,
+                            Dtype::F64,
                             ReduceOp::Sum,
                             st,
                         )
@@ -130,7 +125,7 @@ fn hccl_collectives_among_three_ranks() {
                             values.as_ptr().cast(),
                             received.as_mut_ptr().cast(),
                             &layout,
-                            DataType::F32,
+                            Dtype::F32,
                             st,
                         )
                     }
@@ -147,7 +142,7 @@ fn hccl_collectives_among_three_ranks() {
                             values.as_ptr().cast(),
                             sink.as_mut_ptr().cast(),
                             &wrong,
-                            DataType::F32,
+                            Dtype::F32,
                             st,
                         )
                     };

@@ -4,7 +4,8 @@ use std::ffi::c_void;
 use std::path::PathBuf;
 
 use fsdpturbo::backend::{LibrarySpec, add_search_dirs, load};
-use fsdpturbo::comm::{AllToAllV, Collective, DataType, ReduceOp, SingleRank, Stream};
+use fsdpturbo::comm::{AllToAllV, Collective, ReduceOp, SingleRank, Stream};
+use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
 fn spec(env_var: &'static str, file_names: &'static [&'static str]) -> LibrarySpec {
@@ -73,7 +74,7 @@ fn single_rank_collectives_copy() {
             send.as_ptr().cast(),
             recv.as_mut_ptr().cast(),
             4,
-            DataType::F32,
+            Dtype::F32,
             ReduceOp::Sum,
             Stream::HOST,
         )
@@ -88,7 +89,7 @@ fn single_rank_collectives_copy() {
             send.as_ptr().cast(),
             out.as_mut_ptr().cast::<c_void>(),
             &layout,
-            DataType::F32,
+            Dtype::F32,
             Stream::HOST,
         )
     }
@@ -96,7 +97,7 @@ fn single_rank_collectives_copy() {
     assert_eq!(out, [0.0, 0.0, 2.0, 3.0]);
     let bad = AllToAllV::packed(vec![2], vec![3]);
     let err = unsafe {
-        one.all_to_all_v(send.as_ptr().cast(), out.as_mut_ptr().cast(), &bad, DataType::F32, Stream::HOST)
+        one.all_to_all_v(send.as_ptr().cast(), out.as_mut_ptr().cast(), &bad, Dtype::F32, Stream::HOST)
     };
     assert!(err.unwrap_err().message.contains("sends 2 elements to itself but expects to receive 3"));
     let short = AllToAllV::packed(vec![], vec![]);

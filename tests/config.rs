@@ -12,6 +12,8 @@ use fsdpturbo::config::{
 };
 use fsdpturbo::error::{Error, ErrorKind};
 
+mod common;
+
 fn ok(yaml: &str) -> TrainConfig {
     parse_train_config(yaml).unwrap_or_else(|e| panic!("expected {yaml:?} to parse, got:\n{e}"))
 }
@@ -977,6 +979,7 @@ fn corpus_files_fail_with_the_expected_phrases_and_never_panic() {
 
 mod c_abi {
     use super::*;
+    use crate::common::last_error;
     use fsdpturbo::ffi::config::*;
     use fsdpturbo::ffi::error::fsdpturbo_last_error;
     use fsdpturbo::ffi::status::*;
@@ -985,14 +988,6 @@ mod c_abi {
         let mut out = ptr::null_mut();
         let status = fsdpturbo_config_parse(yaml.as_ptr().cast::<c_char>(), yaml.len(), &mut out);
         (status, out)
-    }
-
-    fn last_error() -> String {
-        let len = fsdpturbo_last_error(ptr::null_mut(), 0);
-        let mut buf = vec![0u8; len + 1];
-        assert_eq!(fsdpturbo_last_error(buf.as_mut_ptr().cast(), buf.len()), len);
-        buf.truncate(len);
-        String::from_utf8(buf).unwrap()
     }
 
     fn json(cfg: *const fsdpturbo_config_t) -> serde_json::Value {

@@ -6,8 +6,9 @@
 
 use std::path::PathBuf;
 
-use fsdpturbo::backend::kernels::{DeviceTensor, Elem, NORM_CHUNK, SOURCES, compile_all, multi_tensor_table};
+use fsdpturbo::backend::kernels::{DeviceTensor, NORM_CHUNK, SOURCES, compile_all, multi_tensor_table};
 use fsdpturbo::backend::{add_search_dirs, nvrtc::Output};
+use fsdpturbo::dtype::Dtype;
 
 fn library_dirs() -> bool {
     let Some(dirs) = std::env::var_os("FSDPTURBO_TEST_LIBRARY_DIRS").filter(|d| !d.is_empty()) else {
@@ -58,16 +59,16 @@ fn nccl_reports_a_version_and_unique_ids() {
 fn the_multi_tensor_table_counts_chunks_per_tensor() {
     let t = |ptr, numel, elem| DeviceTensor { ptr, numel, elem };
     let (words, chunks) = multi_tensor_table(&[
-        t(0x1000, NORM_CHUNK + 1, Elem::Bf16),
-        t(0, 0, Elem::F32),
-        t(0x8000, 3, Elem::F64),
+        t(0x1000, NORM_CHUNK + 1, Dtype::Bf16),
+        t(0, 0, Dtype::F32),
+        t(0x8000, 3, Dtype::F64),
     ])
     .unwrap();
     assert_eq!(chunks, 3);
     assert_eq!(&words[..4], &[0, 2, 2, 3]);
     assert_eq!(&words[4..7], &[0x1000, NORM_CHUNK as u64 + 1, 3]);
     assert_eq!(&words[10..13], &[0x8000, 3, 1]);
-    let err = multi_tensor_table(&[t(0x1001, 4, Elem::F32)]).unwrap_err();
+    let err = multi_tensor_table(&[t(0x1001, 4, Dtype::F32)]).unwrap_err();
     assert!(err.message.contains("not aligned to its 4-byte element type"), "{}", err.message);
 }
 

@@ -7,32 +7,20 @@ use std::ffi::c_void;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use fsdpturbo::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use fsdpturbo::error::{Error, Result};
 use fsdpturbo::ffi::dtype::*;
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::norm::*;
 use fsdpturbo::ffi::status::*;
+use fsdpturbo::host::pnorm::{scale_in_place, scale_in_place_threads};
+use fsdpturbo::host::{HostBuf, HostBufMut};
 use fsdpturbo::norm::*;
+
+mod common;
+use common::{Rng, last_error};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-/// splitmix64: deterministic test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-}
 
 fn rel(a: f64, b: f64) -> f64 {
     if a == b { 0.0 } else { (a - b).abs() / a.abs().max(b.abs()) }
@@ -880,13 +868,6 @@ fn scaling_rounds_to_nearest_even_and_covers_every_element() {
 
 // ---------------------------------------------------------------------------------------------
 // The C ABI, called from Rust.
-
-fn last_error() -> String {
-    let n = fsdpturbo_last_error(std::ptr::null_mut(), 0);
-    let mut buf = vec![0u8; n + 1];
-    fsdpturbo_last_error(buf.as_mut_ptr().cast(), buf.len());
-    String::from_utf8(buf[..n].to_vec()).unwrap()
-}
 
 /// FSDPTURBO_CLIP_OPTIONS_INIT.
 fn options() -> fsdpturbo_clip_options_t {

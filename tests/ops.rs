@@ -9,16 +9,12 @@ use std::ptr;
 use std::thread;
 
 use fsdpturbo::error::ErrorKind;
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::ops::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::ops::{OpRegistry, Registered, Resolution, Resolved, check_device_type, check_op_name};
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 1024];
-    fsdpturbo_last_error(buf.as_mut_ptr().cast(), buf.len());
-    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
-}
+mod common;
+use common::last_error;
 
 fn exact(impl_id: u64) -> Resolved {
     Resolved { impl_id, resolution: Resolution::Exact }

@@ -2,13 +2,12 @@
 //! (reference `seed-semantics.md` §2), Python `int()` edge cases, the quirks, the C ABI, and a
 //! differential test against a transcription of the seed's matcher run by `python3`.
 
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::CString;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::ptr;
 
 use fsdpturbo::error::ErrorKind;
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::pattern::{
     fsdpturbo_module_name_match, fsdpturbo_pattern_compile, fsdpturbo_pattern_free, fsdpturbo_pattern_match,
     fsdpturbo_pattern_t,
@@ -17,6 +16,9 @@ use fsdpturbo::ffi::status::{
     FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_UTF8, FSDPTURBO_OK,
 };
 use fsdpturbo::pattern::{Pattern, PatternSet, module_name_match};
+
+mod common;
+use common::{Rng, last_error};
 
 fn m(pattern: &str, name: &str) -> bool {
     module_name_match(pattern, name).unwrap_or_else(|e| panic!("{pattern:?} failed to compile: {e}"))
@@ -306,14 +308,6 @@ fn cstr(s: &str) -> CString {
     CString::new(s).unwrap()
 }
 
-fn last_error() -> String {
-    let mut buf = [0 as c_char; 512];
-    let len = fsdpturbo_last_error(buf.as_mut_ptr(), buf.len());
-    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap().to_string();
-    assert_eq!(len, text.len());
-    text
-}
-
 #[test]
 fn c_abi_compiles_matches_and_frees() {
     let mut handle: *mut fsdpturbo_pattern_t = ptr::null_mut();
@@ -516,25 +510,6 @@ fn hex(s: &str) -> String {
 fn unhex(s: &str) -> String {
     let bytes = (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect();
     String::from_utf8(bytes).unwrap()
-}
-
-/// splitmix64: a small deterministic generator, so failures reproduce.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick(&mut self, chars: &[char]) -> char {
-        chars[self.below(chars.len())]
-    }
 }
 
 const ALPHABET: &[char] =

@@ -8,7 +8,6 @@ use std::ffi::c_void;
 use std::ops::Range;
 
 use fsdpturbo::error::ErrorKind;
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::placement::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::placement::{
@@ -18,6 +17,9 @@ use fsdpturbo::placement::{
 use serde_json::Value;
 
 use Placement::{Partial, Replicate, Shard};
+
+mod common;
+use common::{Rng, last_error};
 
 fn ss(dim: usize, split_factor: u64) -> Placement {
     Placement::StridedShard { dim, split_factor }
@@ -368,30 +370,16 @@ fn run_counts() {
     assert_eq!(runs(&[16, 3], &[1], &[0], &[ss(0, 4)]), 1); // one rank keeps every piece
 }
 
-/// SplitMix64: a fixed-seed generator for the random cases.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn random_case(rng: &mut Rng) -> (Vec<u64>, Vec<u64>, Vec<Placement>) {
-    let ndim = 1 + rng.below(4) as usize;
-    let mesh: Vec<u64> = (0..1 + rng.below(3)).map(|_| 1 + rng.below(4)).collect();
-    let global: Vec<u64> = (0..ndim).map(|_| if rng.below(12) == 0 { 0 } else { 1 + rng.below(9) }).collect();
+    let ndim = 1 + rng.below_u64(4) as usize;
+    let mesh: Vec<u64> = (0..1 + rng.below_u64(3)).map(|_| 1 + rng.below_u64(4)).collect();
+    let global: Vec<u64> =
+        (0..ndim).map(|_| if rng.below_u64(12) == 0 { 0 } else { 1 + rng.below_u64(9) }).collect();
     let pls = mesh
         .iter()
-        .map(|_| match rng.below(4) {
-            0 | 1 => Shard(rng.below(ndim as u64) as usize),
-            2 => ss(rng.below(ndim as u64) as usize, 1 + rng.below(4)),
+        .map(|_| match rng.below_u64(4) {
+            0 | 1 => Shard(rng.below_u64(ndim as u64) as usize),
+            2 => ss(rng.below_u64(ndim as u64) as usize, 1 + rng.below_u64(4)),
             _ => Replicate,
         })
         .collect();
@@ -413,7 +401,7 @@ fn scatter_then_gather_is_bitwise_over_random_cases() {
         let (global, mesh, pls) = random_case(&mut rng);
         let ctx = format!("case {n}: {global:?} {mesh:?} {pls:?}");
         // Random f32 bit patterns (NaN payloads, -0.0, subnormals) must come back bit for bit.
-        let full: Vec<f32> = (0..numel(&global)).map(|_| f32::from_bits(rng.next() as u32)).collect();
+        let full: Vec<f32> = (0..numel(&global)).map(|_| f32::from_bits(rng.next_u64() as u32)).collect();
         let gp = gather_plan(&global, &mesh, &pls).expect(&ctx);
         let sources: Vec<(Vec<u64>, CopyPlan)> = gp.sources().map(|(c, p)| (c, p.clone())).collect();
         let mut locals = Vec::new();
@@ -479,7 +467,7 @@ fn seed_and_torch_agree_for_plain_shards_without_empty_levels() {
             .into_iter()
             .map(|p| if let Placement::StridedShard { dim, .. } = p { Shard(dim) } else { p })
             .collect();
-        let coord: Vec<u64> = mesh.iter().map(|&m| rng.below(m)).collect();
+        let coord: Vec<u64> = mesh.iter().map(|&m| rng.below_u64(m)).collect();
         let (shape, off) = local_shape_and_offset(&global, &mesh, &coord, &pls).unwrap();
         match seed_copy_slices(&global, &mesh, &coord, &pls).unwrap() {
             Some(slices) => {
@@ -558,14 +546,6 @@ fn bad_arguments_name_what_and_where() {
 }
 
 // --- C ABI ---------------------------------------------------------------------------------
-
-fn last_error() -> String {
-    let n = fsdpturbo_last_error(std::ptr::null_mut(), 0);
-    let mut buf = vec![0u8; n + 1];
-    fsdpturbo_last_error(buf.as_mut_ptr().cast(), buf.len());
-    buf.truncate(n);
-    String::from_utf8(buf).unwrap()
-}
 
 fn cp(kind: i32, dim: i64, split_factor: i64) -> fsdpturbo_placement_t {
     fsdpturbo_placement_t { kind, dim, split_factor }
@@ -852,9 +832,9 @@ fn c_abi_copy_plan_and_bytes() {
     assert_eq!(fsdpturbo_copy_bytes(plan, 0, fp, 0, lp, 0), FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().starts_with("`elem_size` is 0"));
     assert_eq!(fsdpturbo_copy_bytes(plan, 2, std::ptr::null(), 48, lp, 16), FSDPTURBO_ERR_NULL_ARGUMENT);
-    assert_eq!(last_error(), "argument `full` must not be NULL");
+    assert_eq!(last_error(), "argument `full` is NULL but must hold 48 elements");
     assert_eq!(fsdpturbo_copy_bytes(plan, 2, fp, 48, std::ptr::null_mut(), 16), FSDPTURBO_ERR_NULL_ARGUMENT);
-    assert_eq!(last_error(), "argument `local` must not be NULL");
+    assert_eq!(last_error(), "argument `local` is NULL but must hold 16 elements");
     assert_eq!(fsdpturbo_copy_bytes(std::ptr::null(), 2, fp, 48, lp, 16), FSDPTURBO_ERR_NULL_ARGUMENT);
     let mut both = vec![0u16; 24];
     let bp = both.as_mut_ptr();
@@ -863,7 +843,10 @@ fn c_abi_copy_plan_and_bytes() {
         fsdpturbo_copy_bytes(plan, 2, bp.cast_const().cast(), 48, inner, 16),
         FSDPTURBO_ERR_INVALID_ARGUMENT
     );
-    assert_eq!(last_error(), "buffers `full` and `local` overlap; they must be distinct");
+    assert_eq!(
+        last_error(),
+        "buffers `local` and `full` overlap; outputs must not share memory with other arguments"
+    );
     assert_eq!(local, [8, 9, 10, 11, 20, 21, 22, 23], "untouched by failed calls");
     fsdpturbo_copy_plan_free(plan);
     fsdpturbo_copy_plan_free(std::ptr::null_mut());
@@ -898,7 +881,7 @@ fn c_abi_plans_equal_rust_plans_over_random_cases() {
     let mut rng = Rng(7);
     for _ in 0..300 {
         let (global, mesh, pls) = random_case(&mut rng);
-        let coord: Vec<u64> = mesh.iter().map(|&m| rng.below(m)).collect();
+        let coord: Vec<u64> = mesh.iter().map(|&m| rng.below_u64(m)).collect();
         let cpls: Vec<fsdpturbo_placement_t> = pls
             .iter()
             .map(|p| match *p {

@@ -7,38 +7,22 @@
 
 use std::ffi::c_void;
 
+use fsdpturbo::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use fsdpturbo::error::ErrorKind;
 use fsdpturbo::ffi::dtype::{
     FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64,
 };
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::route::*;
 use fsdpturbo::ffi::status::*;
-use fsdpturbo::norm::{HostBuf, HostBufMut, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use fsdpturbo::host::gemm::*;
+use fsdpturbo::host::{HostBuf, HostBufMut, KernelOptions, PARALLEL_MIN_ELEMS};
 use fsdpturbo::route::*;
+
+mod common;
+use common::{Rng, last_error};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-/// splitmix64: deterministic test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-}
 
 fn err_text(r: fsdpturbo::error::Result<impl std::fmt::Debug>) -> String {
     let e = r.expect_err("expected an error");
@@ -999,13 +983,6 @@ fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
 
 // ---------------------------------------------------------------------------------------------
 // The C ABI.
-
-fn last_error() -> String {
-    let n = fsdpturbo_last_error(std::ptr::null_mut(), 0);
-    let mut buf = vec![0u8; n + 1];
-    fsdpturbo_last_error(buf.as_mut_ptr().cast(), buf.len());
-    String::from_utf8(buf[..n].to_vec()).unwrap()
-}
 
 #[test]
 fn c_abi_route_and_receive_on_the_worked_example() {

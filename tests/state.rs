@@ -4,18 +4,20 @@
 //!
 //! Tests in this file share the process-global state, so each one holds `serial()`.
 
-use std::ffi::{CString, c_char};
+use std::ffi::CString;
 use std::ptr;
 use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::thread;
 
 use fsdpturbo::error::ErrorKind;
-use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::state::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::ffi::topology::*;
 use fsdpturbo::state::{ParallelState, global_state, initialize_global, reset_global_state};
 use fsdpturbo::topology::{Topology, TopologySpec};
+
+mod common;
+use common::last_error;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -228,13 +230,6 @@ fn sixteen_threads_two_topologies_one_group_wins() {
 
 // ---------------------------------------------------------------------------------------------
 // C ABI
-
-fn last_error() -> String {
-    let len = fsdpturbo_last_error(ptr::null_mut(), 0);
-    let mut buf = vec![0 as c_char; len + 1];
-    fsdpturbo_last_error(buf.as_mut_ptr(), buf.len());
-    String::from_utf8(buf[..len].iter().map(|&c| c as u8).collect()).unwrap()
-}
 
 fn new_topology(world: u64, cp: u64, ep: u64) -> *mut fsdpturbo_topology_t {
     let opts = fsdpturbo_topology_options_t {

@@ -3,7 +3,7 @@
 //! C ABI of `ffi/topology.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::{CString, c_char};
+use std::ffi::CString;
 use std::ptr;
 
 use fsdpturbo::error::ErrorKind;
@@ -11,6 +11,9 @@ use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::ffi::topology::*;
 use fsdpturbo::topology::{MAX_MATERIALIZED_RANKS, Mesh, Topology, TopologySpec};
+
+mod common;
+use common::last_error;
 
 fn spec(world: u64, cp: u64, ep: u64) -> TopologySpec {
     TopologySpec { world_size: world, cp_size: cp, ep_size: ep, ..TopologySpec::default() }
@@ -760,14 +763,6 @@ fn options(world: u64, cp: u64, ep: u64) -> fsdpturbo_topology_options_t {
         ep_size: ep,
         efsdp_size: 0,
     }
-}
-
-fn last_error() -> String {
-    let len = fsdpturbo_last_error(ptr::null_mut(), 0);
-    let mut buf = vec![0 as c_char; len + 1];
-    assert_eq!(fsdpturbo_last_error(buf.as_mut_ptr(), buf.len()), len);
-    let bytes: Vec<u8> = buf[..len].iter().map(|&c| c as u8).collect();
-    String::from_utf8(bytes).unwrap()
 }
 
 struct Handle(*mut fsdpturbo_topology_t);

@@ -6,6 +6,7 @@ environment (use `pip install --no-build-isolation ./torch_ext`).
 """
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,13 @@ from setuptools.command.build_py import build_py
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
+
+
+def cargo_version():
+    """The package version: Cargo.toml's [package] version, its one source."""
+    text = (REPO / "Cargo.toml").read_text()
+    package = text.split("[package]", 1)[1].split("\n[", 1)[0]
+    return re.search(r'^version\s*=\s*"([^"]+)"', package, flags=re.M).group(1)
 
 
 class BuildWithCMake(build_py):
@@ -36,7 +44,7 @@ class BuildWithCMake(build_py):
 
 setup(
     name="fsdpturbo",
-    version="0.1.0",
+    version=cargo_version(),
     description="Expert-parallel and expert-sharded-FSDP engine for Mixture-of-Experts training",
     package_dir={"": "python"},
     packages=["fsdpturbo", "fsdpturbo.dispatch", "fsdpturbo.llamafactory", "fsdp_turbo", "fsdp_turbo.distributed",

@@ -17,6 +17,7 @@ pub const ACL_SUCCESS: AclError = 0;
 pub const ACL_FLOAT: c_int = 0;
 pub const ACL_FLOAT16: c_int = 1;
 pub const ACL_INT32: c_int = 3;
+pub const ACL_UINT8: c_int = 4;
 pub const ACL_INT64: c_int = 9;
 pub const ACL_DOUBLE: c_int = 11;
 pub const ACL_BF16: c_int = 27;

@@ -1,5 +1,5 @@
 //! cuBLAS (`libcublas.so.13` / `.12`), loaded at run time, for the experts' grouped GEMM and its
-//! two backward GEMMs (route.rs `grouped_matmul*`: row-major `x [N, in]`, `W [G, out, in]`,
+//! two backward GEMMs (host/gemm `grouped_matmul*`: row-major `x [N, in]`, `W [G, out, in]`,
 //! `y = x_g @ W[g]^T` per group of consecutive rows). `cublasGemmGroupedBatchedEx` (cuBLAS
 //! 12.5+) runs all groups in one call; without it, one `cublasGemmEx` per group. Signatures and
 //! enum values from reference/abi-and-apis.md §7. Inputs of 16-bit types compute in f32, f64 in
@@ -11,10 +11,10 @@ use std::ffi::{c_int, c_void};
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
+use super::Stream;
 use super::cuda::{CUstream, driver};
-use super::kernels::Elem;
 use super::{LibrarySpec, Loaded, load};
-use crate::comm::Stream;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 type Status = c_int;
@@ -181,13 +181,18 @@ impl Cublas {
     }
 }
 
-fn types(elem: Elem) -> (c_int, c_int) {
-    match elem {
-        Elem::F32 => (CUDA_R_32F, CUBLAS_COMPUTE_32F),
-        Elem::F64 => (CUDA_R_64F, CUBLAS_COMPUTE_64F),
-        Elem::F16 => (CUDA_R_16F, CUBLAS_COMPUTE_32F),
-        Elem::Bf16 => (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
-    }
+fn types(elem: Dtype) -> Result<(c_int, c_int)> {
+    Ok(match elem {
+        Dtype::F32 => (CUDA_R_32F, CUBLAS_COMPUTE_32F),
+        Dtype::F64 => (CUDA_R_64F, CUBLAS_COMPUTE_64F),
+        Dtype::F16 => (CUDA_R_16F, CUBLAS_COMPUTE_32F),
+        Dtype::Bf16 => (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
+        Dtype::U8 | Dtype::I32 | Dtype::I64 => {
+            return Err(Error::invalid(format!(
+                "the grouped GEMM takes floating-point elements, not {elem}"
+            )));
+        }
+    })
 }
 
 fn dim(v: usize, what: &str) -> Result<c_int> {
@@ -221,7 +226,7 @@ struct Plan {
 }
 
 fn problems(
-    elem: Elem,
+    elem: Dtype,
     kind: GemmKind,
     counts: &[u64],
     in_features: usize,
@@ -296,7 +301,7 @@ fn problems(
 pub fn grouped_gemm(
     device: i32,
     stream: Stream,
-    elem: Elem,
+    elem: Dtype,
     kind: GemmKind,
     counts: &[u64],
     in_features: usize,
@@ -326,7 +331,7 @@ pub fn grouped_gemm(
     if problems.is_empty() {
         return Ok(());
     }
-    let (data_type, compute) = types(elem);
+    let (data_type, compute) = types(elem)?;
     let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
     let mut handles = lib.handles.lock();
     let h = lib.handle(&mut handles, device)?;
@@ -351,7 +356,7 @@ pub fn grouped_gemm(
             );
             let (lda, ldb, ldcs, sizes) =
                 (column(|p| p.lda), column(|p| p.ldb), vec![ldc; g], vec![1 as c_int; g]);
-            let (alpha, beta): (Vec<u8>, Vec<u8>) = if elem == Elem::F64 {
+            let (alpha, beta): (Vec<u8>, Vec<u8>) = if elem == Dtype::F64 {
                 (one64.to_ne_bytes().repeat(g), zero64.to_ne_bytes().repeat(g))
             } else {
                 (one32.to_ne_bytes().repeat(g), zero32.to_ne_bytes().repeat(g))
@@ -387,7 +392,7 @@ pub fn grouped_gemm(
             Cublas::check(status, "cublasGemmGroupedBatchedEx")
         }
         None => {
-            let (alpha, beta): (*const c_void, *const c_void) = if elem == Elem::F64 {
+            let (alpha, beta): (*const c_void, *const c_void) = if elem == Dtype::F64 {
                 ((&one64 as *const f64).cast(), (&zero64 as *const f64).cast())
             } else {
                 ((&one32 as *const f32).cast(), (&zero32 as *const f32).cast())
@@ -461,14 +466,14 @@ mod tests {
             workspace: 0,
             workspace_bytes: 0,
         };
-        let Plan { problems, zero, ldc } = problems(Elem::F32, kind, counts, inf, outf, &buffers).unwrap();
+        let Plan { problems, zero, ldc } = problems(Dtype::F32, kind, counts, inf, outf, &buffers).unwrap();
         for (at, bytes) in zero {
             unsafe { std::ptr::write_bytes(at as *mut u8, 0, bytes) };
         }
         problems.iter().for_each(|p| gemm(p, ldc));
     }
 
-    /// The column-major problems compute the row-major grouped matmul of route.rs, including empty
+    /// The column-major problems compute the row-major grouped matmul of host/gemm, including empty
     /// groups (no rows; a zero weight gradient).
     #[test]
     fn column_major_problems_are_the_row_major_grouped_matmul() {

@@ -1,9 +1,9 @@
 //! The CUDA kernels of `csrc/kernels`: their sources (compiled by NVRTC at first use for the
 //! device's compute capability, through the on-disk cache), the modules loaded per device, and
-//! the launch sequences with their argument checks. Semantics are those of the host kernels in
-//! `route.rs` and `norm.rs`; an error found on the device (an out-of-range id, a bad row, a
-//! permutation that is not one) is reported with the host kernels' own message, recomputed from
-//! a host copy of the offending input.
+//! the launch sequences with their argument checks. Semantics are those of `route.rs` and
+//! `norm.rs` (computed on the host by `host/`); an error found on the device (an out-of-range
+//! id, a bad row, a permutation that is not one) is reported with the host's own message,
+//! recomputed from a host copy of the offending input.
 //!
 //! Every pointer here is device memory of the caller (torch tensors), every launch is ordered on
 //! the caller's stream, and nothing is allocated: scratch space comes in as a workspace whose
@@ -14,9 +14,10 @@ use std::ffi::c_void;
 
 use parking_lot::Mutex;
 
+use super::Stream;
 use super::cuda::{CUfunction, Driver, driver};
 use super::nvrtc::{Output, nvrtc};
-use crate::comm::Stream;
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::norm::NormType;
 
@@ -318,30 +319,12 @@ pub fn permute(
     Ok(())
 }
 
-/// Element types of the device kernels (FSDPTURBO_DTYPE_* order).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Elem {
-    F32,
-    F64,
-    F16,
-    Bf16,
-}
-
-impl Elem {
-    pub fn size(self) -> usize {
-        match self {
-            Elem::F32 => 4,
-            Elem::F64 => 8,
-            Elem::F16 | Elem::Bf16 => 2,
-        }
-    }
-    fn tag(self) -> &'static str {
-        match self {
-            Elem::F32 => "f32",
-            Elem::F64 => "f64",
-            Elem::F16 => "f16",
-            Elem::Bf16 => "bf16",
-        }
+/// The kernels compute on floating-point elements only (the C ABI refuses the others before).
+fn float_only(elem: Dtype, what: &str) -> Result<()> {
+    if elem.is_float() {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("{what}: floating-point elements only, not {elem}")))
     }
 }
 
@@ -366,12 +349,13 @@ pub struct UnpermuteBuffers {
 pub fn unpermute(
     device: i32,
     stream: Stream,
-    elem: Elem,
+    elem: Dtype,
     tokens: usize,
     top_k: usize,
     hidden: usize,
     b: &UnpermuteBuffers,
 ) -> Result<()> {
+    float_only(elem, "the unpermute kernel")?;
     if hidden == 0 {
         return Err(Error::invalid("hidden must be >= 1, got 0"));
     }
@@ -392,7 +376,7 @@ pub fn unpermute(
     drv.memset(inv, 0xff, slots * 8, stream)?;
     let per_vec = 16 / elem.size();
     let vec16 = hidden % per_vec == 0 && b.permuted % 16 == 0 && b.out % 16 == 0;
-    let name = format!("unpermute_{}_{}", elem.tag(), if vec16 { "v16" } else { "v1" });
+    let name = format!("unpermute_{}_{}", elem.name(), if vec16 { "v16" } else { "v1" });
     let packs = (tokens * if vec16 { hidden / per_vec } else { hidden }) as u64;
     let grid = packs.div_ceil(256).min(1 << 20) as u32;
     let (n64, tokens64, k32, hidden64) = (slots as u64, tokens as u64, top_k as i32, hidden as u64);
@@ -441,7 +425,7 @@ pub const NORM_CHUNK: usize = 65536;
 pub struct DeviceTensor {
     pub ptr: u64,
     pub numel: usize,
-    pub elem: Elem,
+    pub elem: Dtype,
 }
 
 /// The table the multi-tensor kernels read (norm.cu): `chunk_first[n + 1]` then per tensor
@@ -462,13 +446,8 @@ pub fn multi_tensor_table(tensors: &[DeviceTensor]) -> Result<(Vec<u64>, usize)>
                 t.elem.size()
             )));
         }
-        let code = match t.elem {
-            Elem::F32 => 0u64,
-            Elem::F64 => 1,
-            Elem::F16 => 2,
-            Elem::Bf16 => 3,
-        };
-        words.extend([t.ptr, t.numel as u64, code]);
+        float_only(t.elem, "the multi-tensor kernels")?;
+        words.extend([t.ptr, t.numel as u64, t.elem.code() as u64]);
     }
     if u32::try_from(chunks).is_err() {
         return Err(Error::invalid(format!(

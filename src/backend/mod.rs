@@ -24,6 +24,15 @@ pub mod kernels;
 pub mod nccl;
 pub mod nvrtc;
 
+/// A device stream (`cudaStream_t`, `aclrtStream`) of the caller, or null for host work. The
+/// device libraries order their calls on it; the collectives of `comm` take it too.
+#[derive(Clone, Copy, Debug)]
+pub struct Stream(pub *mut std::ffi::c_void);
+
+impl Stream {
+    pub const HOST: Stream = Stream(std::ptr::null_mut());
+}
+
 /// How to find one vendor library.
 pub struct LibrarySpec {
     /// Human name used in errors ("NCCL").

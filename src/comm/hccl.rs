@@ -4,7 +4,7 @@
 
 use std::ffi::{CStr, c_void};
 
-use super::{AllToAllV, Collective, DataType, ReduceOp, Stream};
+use super::{AllToAllV, Collective, Dtype, ReduceOp, Stream};
 use crate::backend::hccl::{
     HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce,
 };
@@ -30,15 +30,15 @@ pub fn root_info() -> Result<Vec<u8>> {
     Ok(info.internal.to_vec())
 }
 
-fn hccl_dtype(t: DataType) -> i32 {
+fn hccl_dtype(t: Dtype) -> i32 {
     match t {
-        DataType::U8 => dtype::UINT8,
-        DataType::I32 => dtype::INT32,
-        DataType::I64 => dtype::INT64,
-        DataType::F16 => dtype::FP16,
-        DataType::Bf16 => dtype::BFP16,
-        DataType::F32 => dtype::FP32,
-        DataType::F64 => dtype::FP64,
+        Dtype::U8 => dtype::UINT8,
+        Dtype::I32 => dtype::INT32,
+        Dtype::I64 => dtype::INT64,
+        Dtype::F16 => dtype::FP16,
+        Dtype::Bf16 => dtype::BFP16,
+        Dtype::F32 => dtype::FP32,
+        Dtype::F64 => dtype::FP64,
     }
 }
 
@@ -112,7 +112,7 @@ impl Collective for HcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         op: ReduceOp,
         stream: Stream,
     ) -> Result<()> {
@@ -136,7 +136,7 @@ impl Collective for HcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         stream: Stream,
     ) -> Result<()> {
         // SAFETY: the caller's buffers and stream.
@@ -151,7 +151,7 @@ impl Collective for HcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         op: ReduceOp,
         stream: Stream,
     ) -> Result<()> {
@@ -175,7 +175,7 @@ impl Collective for HcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         layout: &AllToAllV,
-        dtype: DataType,
+        dtype: Dtype,
         stream: Stream,
     ) -> Result<()> {
         layout.check(self.world_size)?;

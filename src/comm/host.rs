@@ -1,54 +1,23 @@
 //! The host-callback transport: the embedder lends its own process group (torch: a c10d group;
 //! a C++ trainer: MPI, gloo, anything) as callbacks over host memory. The C ABI
 //! (`ffi/comm.rs`) wraps C function pointers into these closures; data types and reduce ops
-//! cross it as the codes of [`DataType::code`] and [`ReduceOp::code`].
+//! cross it as the codes of [`Dtype::code`] (FSDPTURBO_DTYPE_*) and [`ReduceOp::code`].
 
 use std::ffi::c_void;
 
-use super::{AllToAllV, Collective, DataType, ReduceOp, Stream};
+use super::{AllToAllV, Collective, Dtype, ReduceOp, Stream};
 use crate::error::{Error, ErrorKind, Result};
 
 /// `recv = op over ranks of send` (`count` elements; `send` may equal `recv`). Returns 0 on
 /// success, else the embedder's status.
-pub type AllReduceFn =
-    Box<dyn Fn(*const c_void, *mut c_void, usize, DataType, ReduceOp) -> i32 + Send + Sync>;
+pub type AllReduceFn = Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype, ReduceOp) -> i32 + Send + Sync>;
 /// `recv` (count × world elements) = every rank's `count` elements in rank order.
-pub type AllGatherFn = Box<dyn Fn(*const c_void, *mut c_void, usize, DataType) -> i32 + Send + Sync>;
+pub type AllGatherFn = Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype) -> i32 + Send + Sync>;
 /// Rank r receives the reduction of every rank's r-th block of `count` elements.
 pub type ReduceScatterFn =
-    Box<dyn Fn(*const c_void, *mut c_void, usize, DataType, ReduceOp) -> i32 + Send + Sync>;
+    Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype, ReduceOp) -> i32 + Send + Sync>;
 /// All-to-all-v over a checked layout.
-pub type AllToAllVFn = Box<dyn Fn(*const c_void, *mut c_void, &AllToAllV, DataType) -> i32 + Send + Sync>;
-
-impl DataType {
-    /// The FSDPTURBO_COMM_* code.
-    pub fn code(self) -> i32 {
-        match self {
-            DataType::U8 => 0,
-            DataType::I32 => 1,
-            DataType::I64 => 2,
-            DataType::F16 => 3,
-            DataType::Bf16 => 4,
-            DataType::F32 => 5,
-            DataType::F64 => 6,
-        }
-    }
-
-    /// The data type of an FSDPTURBO_COMM_* code.
-    pub fn from_code(code: i32) -> Option<DataType> {
-        [
-            DataType::U8,
-            DataType::I32,
-            DataType::I64,
-            DataType::F16,
-            DataType::Bf16,
-            DataType::F32,
-            DataType::F64,
-        ]
-        .into_iter()
-        .find(|d| d.code() == code)
-    }
-}
+pub type AllToAllVFn = Box<dyn Fn(*const c_void, *mut c_void, &AllToAllV, Dtype) -> i32 + Send + Sync>;
 
 impl ReduceOp {
     /// The FSDPTURBO_REDUCE_* code (SUM 0 and MAX 1 as the grad-norm callback has them).
@@ -107,7 +76,7 @@ impl Collective for HostCallbacks {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         op: ReduceOp,
         _stream: Stream,
     ) -> Result<()> {
@@ -120,7 +89,7 @@ impl Collective for HostCallbacks {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         _stream: Stream,
     ) -> Result<()> {
         let f = self.all_gather.as_ref().ok_or_else(|| self.missing("all_gather"))?;
@@ -133,7 +102,7 @@ impl Collective for HostCallbacks {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         op: ReduceOp,
         _stream: Stream,
     ) -> Result<()> {
@@ -147,7 +116,7 @@ impl Collective for HostCallbacks {
         send: *const c_void,
         recv: *mut c_void,
         layout: &AllToAllV,
-        dtype: DataType,
+        dtype: Dtype,
         _stream: Stream,
     ) -> Result<()> {
         layout.check(self.world_size)?;

@@ -8,35 +8,13 @@
 
 use std::ffi::c_void;
 
+pub use crate::backend::Stream;
+pub use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 
 pub mod hccl;
 pub mod host;
 pub mod nccl;
-
-/// Element types a collective moves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DataType {
-    U8,
-    I32,
-    I64,
-    F16,
-    Bf16,
-    F32,
-    F64,
-}
-
-impl DataType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DataType::U8 => 1,
-            DataType::F16 | DataType::Bf16 => 2,
-            DataType::I32 | DataType::F32 => 4,
-            DataType::I64 | DataType::F64 => 8,
-        }
-    }
-}
 
 /// Reductions every transport offers (HCCL has no average: divide after a sum).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,14 +23,6 @@ pub enum ReduceOp {
     Prod,
     Max,
     Min,
-}
-
-/// A device stream (`cudaStream_t`, `aclrtStream`), or null for host collectives.
-#[derive(Clone, Copy, Debug)]
-pub struct Stream(pub *mut c_void);
-
-impl Stream {
-    pub const HOST: Stream = Stream(std::ptr::null_mut());
 }
 
 /// One process group's collectives. Every rank of the group must make the same calls in the
@@ -70,7 +40,7 @@ pub trait Collective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         op: ReduceOp,
         stream: Stream,
     ) -> Result<()>;
@@ -84,7 +54,7 @@ pub trait Collective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         stream: Stream,
     ) -> Result<()>;
 
@@ -97,7 +67,7 @@ pub trait Collective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         op: ReduceOp,
         stream: Stream,
     ) -> Result<()>;
@@ -112,7 +82,7 @@ pub trait Collective {
         send: *const c_void,
         recv: *mut c_void,
         layout: &AllToAllV,
-        dtype: DataType,
+        dtype: Dtype,
         stream: Stream,
     ) -> Result<()>;
 
@@ -123,7 +93,7 @@ pub trait Collective {
         let mut out = value;
         let send = (&value as *const f64).cast();
         // SAFETY: one f64 of host memory each; this default is for host-memory transports.
-        unsafe { self.all_reduce(send, (&mut out as *mut f64).cast(), 1, DataType::F64, op, Stream::HOST)? };
+        unsafe { self.all_reduce(send, (&mut out as *mut f64).cast(), 1, Dtype::F64, op, Stream::HOST)? };
         Ok(out)
     }
 }
@@ -181,7 +151,7 @@ impl AllToAllV {
 pub struct SingleRank;
 
 impl SingleRank {
-    unsafe fn copy(send: *const c_void, recv: *mut c_void, count: usize, dtype: DataType) {
+    unsafe fn copy(send: *const c_void, recv: *mut c_void, count: usize, dtype: Dtype) {
         if send != recv.cast_const() {
             // SAFETY: the caller guarantees both ranges; they are distinct buffers or identical.
             unsafe { std::ptr::copy(send.cast::<u8>(), recv.cast::<u8>(), count * dtype.size()) };
@@ -201,7 +171,7 @@ impl Collective for SingleRank {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         _op: ReduceOp,
         _stream: Stream,
     ) -> Result<()> {
@@ -213,7 +183,7 @@ impl Collective for SingleRank {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         _stream: Stream,
     ) -> Result<()> {
         unsafe { Self::copy(send, recv, count, dtype) };
@@ -224,7 +194,7 @@ impl Collective for SingleRank {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
+        dtype: Dtype,
         _op: ReduceOp,
         _stream: Stream,
     ) -> Result<()> {
@@ -236,7 +206,7 @@ impl Collective for SingleRank {
         send: *const c_void,
         recv: *mut c_void,
         layout: &AllToAllV,
-        dtype: DataType,
+        dtype: Dtype,
         _stream: Stream,
     ) -> Result<()> {
         layout.check(1)?;

@@ -5,7 +5,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::{AllToAllV, Collective, DataType, ReduceOp, Stream};
+use super::{AllToAllV, Collective, Dtype, ReduceOp, Stream};
 use crate::backend::cuda::driver;
 use crate::backend::nccl::{self, Nccl, NcclComm, NcclUniqueId, nccl};
 use crate::error::{Error, Result};
@@ -18,15 +18,15 @@ pub fn unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES]> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-fn dtype(d: DataType) -> c_int {
+fn dtype(d: Dtype) -> c_int {
     match d {
-        DataType::U8 => nccl::NCCL_UINT8,
-        DataType::I32 => nccl::NCCL_INT32,
-        DataType::I64 => nccl::NCCL_INT64,
-        DataType::F16 => nccl::NCCL_FLOAT16,
-        DataType::Bf16 => nccl::NCCL_BFLOAT16,
-        DataType::F32 => nccl::NCCL_FLOAT32,
-        DataType::F64 => nccl::NCCL_FLOAT64,
+        Dtype::U8 => nccl::NCCL_UINT8,
+        Dtype::I32 => nccl::NCCL_INT32,
+        Dtype::I64 => nccl::NCCL_INT64,
+        Dtype::F16 => nccl::NCCL_FLOAT16,
+        Dtype::Bf16 => nccl::NCCL_BFLOAT16,
+        Dtype::F32 => nccl::NCCL_FLOAT32,
+        Dtype::F64 => nccl::NCCL_FLOAT64,
     }
 }
 
@@ -112,7 +112,7 @@ impl Collective for NcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        d: DataType,
+        d: Dtype,
         o: ReduceOp,
         stream: Stream,
     ) -> Result<()> {
@@ -127,7 +127,7 @@ impl Collective for NcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        d: DataType,
+        d: Dtype,
         stream: Stream,
     ) -> Result<()> {
         // SAFETY: as above.
@@ -140,7 +140,7 @@ impl Collective for NcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        d: DataType,
+        d: Dtype,
         o: ReduceOp,
         stream: Stream,
     ) -> Result<()> {
@@ -155,7 +155,7 @@ impl Collective for NcclCollective {
         send: *const c_void,
         recv: *mut c_void,
         layout: &AllToAllV,
-        d: DataType,
+        d: Dtype,
         stream: Stream,
     ) -> Result<()> {
         layout.check(self.world_size)?;
@@ -204,7 +204,7 @@ impl Collective for NcclCollective {
         drv.write(buf.ptr, &value.to_ne_bytes(), stream)?;
         let at = buf.ptr as *mut c_void;
         // SAFETY: one f64 of device memory, ordered on the legacy default stream.
-        unsafe { self.all_reduce(at, at, 1, DataType::F64, o, stream)? };
+        unsafe { self.all_reduce(at, at, 1, Dtype::F64, o, stream)? };
         let mut bytes = [0u8; 8];
         drv.read_back(&mut bytes, buf.ptr, stream)?;
         Ok(f64::from_ne_bytes(bytes))

@@ -6,14 +6,14 @@
 
 use std::ffi::{c_char, c_void};
 
-use super::dtype::Dtype;
+use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{arg_mut, arg_ref, arg_slice, free_handle, into_handle, write_out};
 use super::panic::boundary;
 use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::backend::hccl::{HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES};
 use crate::comm::hccl::{HcclCollective, root_info};
-use crate::comm::{AllToAllV, Collective, DataType, Stream};
+use crate::comm::{AllToAllV, Collective, Stream};
 
 /// Bytes of an HCCL root info (`HcclRootInfo`).
 pub const FSDPTURBO_HCCL_ROOT_INFO_BYTES: usize = 4108;
@@ -25,15 +25,6 @@ const _: () = assert!(FSDPTURBO_HCCL_COMM_NAME_BYTES == HCCL_COMM_NAME_BYTES);
 
 /// An HCCL communicator (opaque).
 pub struct fsdpturbo_hccl_comm_t(HcclCollective);
-
-fn comm_dtype(code: i32) -> Result<DataType, FfiError> {
-    Ok(match Dtype::of(code, "dtype")? {
-        Dtype::F32 => DataType::F32,
-        Dtype::F64 => DataType::F64,
-        Dtype::F16 => DataType::F16,
-        Dtype::Bf16 => DataType::Bf16,
-    })
-}
 
 /// Writes a fresh HCCL root info (`FSDPTURBO_HCCL_ROOT_INFO_BYTES` bytes) to `out`; call on one
 /// rank and send the bytes to every rank of the group.
@@ -134,7 +125,7 @@ pub extern "C" fn fsdpturbo_hccl_all_to_all_v(
             recv_displs: list(recv_displs, "recv_displs")?,
         };
         // SAFETY: the caller's device buffers cover the layout (contract).
-        unsafe { comm.all_to_all_v(send, recv, &layout, comm_dtype(dtype)?, Stream(stream)) }?;
+        unsafe { comm.all_to_all_v(send, recv, &layout, float_dtype_arg(dtype, "dtype")?, Stream(stream)) }?;
         Ok(())
     })
 }

@@ -4,6 +4,10 @@
 use std::cell::RefCell;
 use std::ffi::c_void;
 
+use super::dtype::{
+    FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64, FSDPTURBO_DTYPE_I32,
+    FSDPTURBO_DTYPE_I64, FSDPTURBO_DTYPE_U8, dtype_arg,
+};
 use super::error::FfiError;
 use super::error::last_error_message;
 use super::handle::{arg_ref, arg_slice, check_struct_size, free_handle, into_handle, invalid, write_out};
@@ -16,16 +20,18 @@ use super::status::FSDPTURBO_ERR_NULL_ARGUMENT;
 use crate::backend::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
-use crate::comm::{AllToAllV, Collective, DataType, ReduceOp, SingleRank, Stream};
+use crate::comm::{AllToAllV, Collective, Dtype, ReduceOp, SingleRank, Stream};
 
-/// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks).
-pub const FSDPTURBO_COMM_U8: i32 = 0;
-pub const FSDPTURBO_COMM_I32: i32 = 1;
-pub const FSDPTURBO_COMM_I64: i32 = 2;
-pub const FSDPTURBO_COMM_F16: i32 = 3;
-pub const FSDPTURBO_COMM_BF16: i32 = 4;
-pub const FSDPTURBO_COMM_F32: i32 = 5;
-pub const FSDPTURBO_COMM_F64: i32 = 6;
+/// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks):
+/// the FSDPTURBO_DTYPE_* codes under their former names (one code space since ABI version 2;
+/// new code uses FSDPTURBO_DTYPE_*).
+pub const FSDPTURBO_COMM_U8: i32 = FSDPTURBO_DTYPE_U8;
+pub const FSDPTURBO_COMM_I32: i32 = FSDPTURBO_DTYPE_I32;
+pub const FSDPTURBO_COMM_I64: i32 = FSDPTURBO_DTYPE_I64;
+pub const FSDPTURBO_COMM_F16: i32 = FSDPTURBO_DTYPE_F16;
+pub const FSDPTURBO_COMM_BF16: i32 = FSDPTURBO_DTYPE_BF16;
+pub const FSDPTURBO_COMM_F32: i32 = FSDPTURBO_DTYPE_F32;
+pub const FSDPTURBO_COMM_F64: i32 = FSDPTURBO_DTYPE_F64;
 /// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
 pub const FSDPTURBO_REDUCE_MIN: i32 = 3;
@@ -39,7 +45,7 @@ pub struct fsdpturbo_comm_t {
     inner: Box<dyn Collective + Send + Sync>,
 }
 
-/// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_COMM_* `dtype`,
+/// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
 /// `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
 pub type fsdpturbo_host_all_reduce_fn = Option<
     unsafe extern "C" fn(
@@ -104,11 +110,6 @@ pub struct fsdpturbo_comm_group_t {
     pub comm: *const fsdpturbo_comm_t,
 }
 
-fn data_type(code: i32) -> Result<DataType, FfiError> {
-    DataType::from_code(code)
-        .ok_or_else(|| invalid(format!("`dtype` is {code}, not an FSDPTURBO_COMM_* value (U8=0 … F64=6)")))
-}
-
 fn reduce_op(code: i32) -> Result<ReduceOp, FfiError> {
     ReduceOp::from_code(code).ok_or_else(|| {
         invalid(format!("`op` is {code}, not an FSDPTURBO_REDUCE_* value (SUM=0, MAX=1, PROD=2, MIN=3)"))
@@ -157,17 +158,17 @@ pub extern "C" fn fsdpturbo_comm_host_new(
                 all_reduce(user as *mut c_void, s, r, n, d.code(), o.code())
             }),
             all_gather: c.all_gather.map(|f| {
-                Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: DataType| unsafe {
+                Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: Dtype| unsafe {
                     f(user as *mut c_void, s, r, n, d.code())
                 }) as _
             }),
             reduce_scatter: c.reduce_scatter.map(|f| {
-                Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: DataType, o: ReduceOp| unsafe {
+                Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: Dtype, o: ReduceOp| unsafe {
                     f(user as *mut c_void, s, r, n, d.code(), o.code())
                 }) as _
             }),
             all_to_all_v: c.all_to_all_v.map(|f| {
-                Box::new(move |s: *const c_void, r: *mut c_void, l: &AllToAllV, d: DataType| unsafe {
+                Box::new(move |s: *const c_void, r: *mut c_void, l: &AllToAllV, d: Dtype| unsafe {
                     f(
                         user as *mut c_void,
                         s,
@@ -245,7 +246,7 @@ pub extern "C" fn fsdpturbo_comm_rank(
     })
 }
 
-/// All-reduce of `count` elements (FSDPTURBO_COMM_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
+/// All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
 /// `send` into `recv` (may be equal), in the communicator's memory (device memory ordered on
 /// `stream` for NCCL; host memory otherwise, where `stream` is ignored).
 #[unsafe(no_mangle)]
@@ -260,7 +261,7 @@ pub extern "C" fn fsdpturbo_comm_all_reduce(
 ) -> i32 {
     boundary(|| {
         let comm = arg_ref(comm, "comm")?;
-        let (dtype, op) = (data_type(dtype)?, reduce_op(op)?);
+        let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
         if count > 0 && (send.is_null() || recv.is_null()) {
             return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`send` and `recv` must not be NULL"));
         }
@@ -287,7 +288,7 @@ pub extern "C" fn fsdpturbo_comm_all_to_all_v(
 ) -> i32 {
     boundary(|| {
         let comm = arg_ref(comm, "comm")?;
-        let dtype = data_type(dtype)?;
+        let dtype = dtype_arg(dtype, "dtype")?;
         let n = comm.inner.world_size();
         let layout = AllToAllV {
             send_counts: arg_slice(send_counts, n, "send_counts")?.to_vec(),

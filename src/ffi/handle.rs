@@ -1,13 +1,16 @@
 //! Marshalling between C and Rust: checked pointer arguments, out-pointers, caller-owned
-//! output buffers, versioned option structs, and boxed opaque handles.
+//! output buffers, typed data buffers (FSDPTURBO_DTYPE_* elements), the overlap check, versioned
+//! option structs, and boxed opaque handles. Every `ffi/` file goes through these.
 
-use std::ffi::{CStr, c_char};
+use std::ffi::{CStr, c_char, c_void};
 
 use super::error::FfiError;
 use super::status::{
     FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT,
     FSDPTURBO_ERR_STRUCT_SIZE, FSDPTURBO_ERR_UTF8,
 };
+use crate::dtype::Dtype;
+use crate::host::{HostBuf, HostBufMut};
 
 /// FSDPTURBO_ERR_INVALID_ARGUMENT with `message`: the error of every argument outside what is
 /// accepted.
@@ -141,16 +144,44 @@ pub(crate) struct Region<'n> {
     pub name: &'n str,
 }
 
+impl Region<'_> {
+    fn overlaps(&self, other: &Region) -> bool {
+        self.bytes > 0
+            && other.bytes > 0
+            && self.start < other.start.saturating_add(other.bytes)
+            && other.start < self.start.saturating_add(self.bytes)
+    }
+}
+
+fn overlap_error(a: &Region, b: &Region) -> FfiError {
+    invalid(format!(
+        "buffers `{}` and `{}` overlap; outputs must not share memory with other arguments",
+        a.name, b.name
+    ))
+}
+
 /// Fails when an output region overlaps another output or an input.
 pub(crate) fn check_disjoint(outputs: &[Region], inputs: &[Region]) -> Result<(), FfiError> {
     for (i, a) in outputs.iter().enumerate() {
-        for b in outputs[i + 1..].iter().chain(inputs) {
-            if a.bytes > 0 && b.bytes > 0 && a.start < b.start + b.bytes && b.start < a.start + a.bytes {
-                return Err(invalid(format!(
-                    "buffers `{}` and `{}` overlap; outputs must not share memory with other arguments",
-                    a.name, b.name
-                )));
-            }
+        if let Some(b) = outputs[i + 1..].iter().chain(inputs).find(|b| a.overlaps(b)) {
+            return Err(overlap_error(a, b));
+        }
+    }
+    Ok(())
+}
+
+/// [`check_disjoint`] for many outputs and no inputs (a gradient list), in O(n log n): sorts
+/// `outputs` by address.
+pub(crate) fn check_disjoint_outputs(outputs: &mut [Region]) -> Result<(), FfiError> {
+    outputs.sort_unstable_by_key(|r| r.start);
+    let mut live = outputs.iter().filter(|r| r.bytes > 0);
+    let Some(mut reach) = live.next() else { return Ok(()) };
+    for r in live {
+        if reach.overlaps(r) {
+            return Err(overlap_error(reach, r));
+        }
+        if r.start + r.bytes > reach.start + reach.bytes {
+            reach = r;
         }
     }
     Ok(())
@@ -209,6 +240,65 @@ pub(crate) unsafe fn out_slice<'a, T>(ptr: *mut T, len: usize) -> &'a mut [T] {
     // SAFETY: checked by out_array and check_disjoint; the caller guarantees `len` writable
     // elements that nothing else accesses during the call.
     unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+/// Checks a data buffer of `len` elements of `dtype` at `ptr` as [`check_array`] does (NULL only
+/// when empty, aligned for the element type, in range) and returns its region.
+pub(crate) fn check_data<'n>(
+    ptr: *const c_void,
+    len: usize,
+    dtype: Dtype,
+    name: &'n str,
+) -> Result<Region<'n>, FfiError> {
+    match dtype.size() {
+        1 => check_array(ptr.cast::<u8>(), len, name),
+        2 => check_array(ptr.cast::<u16>(), len, name),
+        4 => check_array(ptr.cast::<u32>(), len, name),
+        _ => check_array(ptr.cast::<u64>(), len, name),
+    }
+}
+
+/// The element count of a `bytes`-long buffer of `dtype` (argument `name`), which must be a
+/// whole number of elements.
+pub(crate) fn elems_of(bytes: usize, dtype: Dtype, name: &str) -> Result<usize, FfiError> {
+    if bytes % dtype.size() != 0 {
+        return Err(invalid(format!(
+            "`{name}` is {bytes}, not a whole number of {}-byte elements",
+            dtype.size()
+        )));
+    }
+    Ok(bytes / dtype.size())
+}
+
+fn not_float(dtype: Dtype) -> FfiError {
+    invalid(format!("{dtype} data cannot be computed on here; pass a floating-point FSDPTURBO_DTYPE_*"))
+}
+
+/// A read-only host buffer over a region that passed [`check_data`].
+///
+/// # Safety
+/// `(ptr, len, dtype)` passed `check_data`; the caller of the C function guarantees `len`
+/// readable elements that nothing writes during the call.
+pub(crate) unsafe fn host_buf<'a>(
+    ptr: *const c_void,
+    len: usize,
+    dtype: Dtype,
+) -> Result<HostBuf<'a>, FfiError> {
+    // SAFETY: aligned and in range (check_data), readable by the caller's contract.
+    unsafe { HostBuf::from_raw(ptr.cast(), len, dtype) }.ok_or_else(|| not_float(dtype))
+}
+
+/// A mutable host buffer over a region that passed [`check_data`] and the overlap check.
+///
+/// # Safety
+/// As for [`host_buf`], and no other argument shares the memory (check_disjoint); writable.
+pub(crate) unsafe fn host_buf_mut<'a>(
+    ptr: *mut c_void,
+    len: usize,
+    dtype: Dtype,
+) -> Result<HostBufMut<'a>, FfiError> {
+    // SAFETY: as above.
+    unsafe { HostBufMut::from_raw(ptr.cast(), len, dtype) }.ok_or_else(|| not_float(dtype))
 }
 
 /// Moves a value to the heap and hands its ownership to C.

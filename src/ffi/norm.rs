@@ -4,14 +4,17 @@
 use std::cell::Cell;
 use std::ffi::c_void;
 
-use super::dtype::Dtype;
+use super::dtype::float_dtype_arg;
 use super::error::FfiError;
-use super::handle::{arg_mut, arg_ref, arg_slice, check_struct_size, invalid, write_out, write_slice};
+use super::handle::{
+    Region, arg_mut, arg_ref, arg_slice, check_data, check_disjoint_outputs, check_struct_size, host_buf,
+    host_buf_mut, invalid, write_out, write_slice,
+};
 use super::panic::boundary;
 use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
-use crate::norm::{
-    self, ClipOptions, DimRole, GradLayout, HostBuf, HostBufMut, NormType, clip_grad_norm_with, norm_plan,
-};
+use crate::dtype::Dtype;
+use crate::host::HostBufMut;
+use crate::norm::{self, ClipOptions, DimRole, GradLayout, NormType, clip_grad_norm_with, norm_plan};
 
 /// Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
 pub const FSDPTURBO_REDUCE_SUM: i32 = 0;
@@ -116,70 +119,21 @@ fn clip_options(ptr: *const fsdpturbo_clip_options_t) -> Result<ClipOptions, Ffi
     Ok(ClipOptions { norm, max_norm, error_if_nonfinite, accumulate_f64 })
 }
 
-/// Checks that `numel` elements of `dtype` at `ptr` may be viewed as a slice: non-NULL (unless
-/// empty), aligned, and at most isize::MAX bytes. Returns the byte length.
-fn check_data(
+/// A gradient's data: `numel` elements of `dtype` at `ptr`, checked by the marshalling layer
+/// (with the gradient's own words for a NULL pointer).
+fn grad_data<'n>(
     ptr: *const c_void,
     numel: usize,
     dtype: Dtype,
-    name: impl std::fmt::Display,
-) -> Result<usize, FfiError> {
-    if numel == 0 {
-        return Ok(0);
-    }
-    if ptr.is_null() {
+    name: &'n str,
+) -> Result<Region<'n>, FfiError> {
+    if ptr.is_null() && numel > 0 {
         return Err(FfiError::new(
             FSDPTURBO_ERR_NULL_ARGUMENT,
             format!("`{name}` is NULL but numel is {numel}; NULL is accepted only when numel is 0"),
         ));
     }
-    if (ptr as usize) % dtype.size() != 0 {
-        return Err(invalid(format!(
-            "`{name}` ({ptr:p}) is not aligned to its {}-byte element type",
-            dtype.size()
-        )));
-    }
-    match numel.checked_mul(dtype.size()) {
-        Some(bytes) if bytes <= isize::MAX as usize && (ptr as usize).checked_add(bytes).is_some() => {
-            Ok(bytes)
-        }
-        _ => Err(invalid(format!("`{name}`: numel {numel} is too large for the address space"))),
-    }
-}
-
-fn host_buf<'a>(ptr: *const c_void, numel: usize, dtype: Dtype) -> HostBuf<'a> {
-    if numel == 0 {
-        return match dtype {
-            Dtype::F32 => HostBuf::F32(&[]),
-            Dtype::F64 => HostBuf::F64(&[]),
-            Dtype::F16 => HostBuf::F16(&[]),
-            Dtype::Bf16 => HostBuf::Bf16(&[]),
-        };
-    }
-    // SAFETY: check_data accepted (ptr, numel, dtype): non-NULL, aligned, in range; the caller
-    // guarantees `numel` readable elements that nothing writes during the call.
-    unsafe {
-        match dtype {
-            Dtype::F32 => HostBuf::F32(std::slice::from_raw_parts(ptr.cast(), numel)),
-            Dtype::F64 => HostBuf::F64(std::slice::from_raw_parts(ptr.cast(), numel)),
-            Dtype::F16 => HostBuf::F16(std::slice::from_raw_parts(ptr.cast(), numel)),
-            Dtype::Bf16 => HostBuf::Bf16(std::slice::from_raw_parts(ptr.cast(), numel)),
-        }
-    }
-}
-
-fn host_buf_mut<'a>(ptr: *mut c_void, numel: usize, dtype: Dtype) -> HostBufMut<'a> {
-    // SAFETY: check_data accepted (ptr, numel, dtype) and numel > 0 (the caller skips empty
-    // gradients); no two gradients overlap (checked); the caller guarantees `numel` writable
-    // elements that nothing else accesses during the call.
-    unsafe {
-        match dtype {
-            Dtype::F32 => HostBufMut::F32(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
-            Dtype::F64 => HostBufMut::F64(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
-            Dtype::F16 => HostBufMut::F16(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
-            Dtype::Bf16 => HostBufMut::Bf16(std::slice::from_raw_parts_mut(ptr.cast(), numel)),
-        }
-    }
+    check_data(ptr, numel, dtype, name)
 }
 
 fn layout_of(grad: &fsdpturbo_grad_t, i: usize) -> Result<GradLayout, FfiError> {
@@ -350,35 +304,29 @@ pub extern "C" fn fsdpturbo_clip_grad_norm(
     })
 }
 
-/// The gradients' data as mutable host buffers, tagged with their index: checked for dtype,
-/// alignment, NULL and overlap (scaling writes through them).
+/// The gradients' data as mutable host buffers, tagged with their index (empty ones left out):
+/// checked for dtype, alignment, NULL and overlap (scaling writes through them).
 fn mutable_buffers<'a>(grads: &[fsdpturbo_grad_t]) -> Result<Vec<(usize, HostBufMut<'a>)>, FfiError> {
-    let mut regions = Vec::new();
+    let names: Vec<String> = (0..grads.len()).map(|i| format!("grads[{i}].mut_data")).collect();
+    let mut regions = Vec::with_capacity(grads.len());
+    let mut dtypes = Vec::with_capacity(grads.len());
     for (i, grad) in grads.iter().enumerate() {
-        let dtype = Dtype::of(grad.dtype, format_args!("grads[{i}].dtype"))?;
-        let bytes =
-            check_data(grad.mut_data.cast_const(), grad.numel, dtype, format_args!("grads[{i}].mut_data"))?;
+        let dtype = float_dtype_arg(grad.dtype, format_args!("grads[{i}].dtype"))?;
+        regions.push(grad_data(grad.mut_data.cast_const(), grad.numel, dtype, &names[i])?);
         if !grad.data.is_null() && grad.data != grad.mut_data.cast_const() {
             return Err(invalid(format!(
                 "`grads[{i}].data` must be NULL or equal to `mut_data` here: gradients are read and \
                  scaled in place through `mut_data`"
             )));
         }
-        if bytes > 0 {
-            regions.push((grad.mut_data as usize, bytes, i, dtype));
-        }
+        dtypes.push(dtype);
     }
-    regions.sort_unstable_by_key(|&(start, ..)| start);
-    for w in regions.windows(2) {
-        let ((a, a_bytes, i, _), (b, _, j, _)) = (w[0], w[1]);
-        if a + a_bytes > b {
-            return Err(invalid(format!("the data of grads[{i}] and grads[{j}] overlap")));
-        }
-    }
-    Ok(regions
-        .iter()
-        .map(|&(start, bytes, i, dtype)| (i, host_buf_mut(start as *mut c_void, bytes / dtype.size(), dtype)))
-        .collect())
+    check_disjoint_outputs(&mut regions)?;
+    let held = grads.iter().zip(dtypes).enumerate().filter(|(_, (grad, _))| grad.numel > 0);
+    // SAFETY: every buffer passed grad_data and the overlap check; the caller guarantees
+    // `numel` writable elements that nothing else accesses during the call.
+    held.map(|(i, (grad, dtype))| Ok((i, unsafe { host_buf_mut(grad.mut_data, grad.numel, dtype)? })))
+        .collect()
 }
 
 /// Multiplies every element of `grads[0..n_grads]` (through `mut_data`) by `coef` in place with
@@ -389,7 +337,7 @@ pub extern "C" fn fsdpturbo_scale_in_place(grads: *const fsdpturbo_grad_t, n_gra
     boundary(|| {
         let grads = arg_slice(grads, n_grads, "grads")?;
         let mut bufs: Vec<HostBufMut> = mutable_buffers(grads)?.into_iter().map(|(_, buf)| buf).collect();
-        norm::scale_in_place(&mut bufs, coef);
+        crate::host::pnorm::scale_in_place(&mut bufs, coef);
         Ok(())
     })
 }
@@ -412,14 +360,15 @@ pub extern "C" fn fsdpturbo_local_power_sum(
         let grads = arg_slice(grads, n_grads, "grads")?;
         let mut bufs = Vec::with_capacity(grads.len());
         for (i, grad) in grads.iter().enumerate() {
-            let dtype = Dtype::of(grad.dtype, format_args!("grads[{i}].dtype"))?;
+            let dtype = float_dtype_arg(grad.dtype, format_args!("grads[{i}].dtype"))?;
             let (ptr, field) = if grad.data.is_null() && !grad.mut_data.is_null() {
                 (grad.mut_data.cast_const(), "mut_data")
             } else {
                 (grad.data, "data")
             };
-            check_data(ptr, grad.numel, dtype, format_args!("grads[{i}].{field}"))?;
-            bufs.push(host_buf(ptr, grad.numel, dtype));
+            grad_data(ptr, grad.numel, dtype, &format!("grads[{i}].{field}"))?;
+            // SAFETY: checked by grad_data; readable by the caller's contract.
+            bufs.push(unsafe { host_buf(ptr, grad.numel, dtype)? });
         }
         write_out(out_value, "out_value", norm::local_power_sum(&bufs, norm, accumulate_f64))
     })

@@ -4,14 +4,15 @@
 
 use std::ffi::{CStr, c_char, c_void};
 
-use super::dtype::Dtype;
+use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{arg_ref, arg_slice, write_out};
 use super::panic::boundary;
 use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
-use crate::backend::acl::{ACL_BF16, ACL_DOUBLE, ACL_FLOAT, ACL_FLOAT16, ACL_INT32, ACL_INT64};
+use crate::backend::acl::{ACL_BF16, ACL_DOUBLE, ACL_FLOAT, ACL_FLOAT16, ACL_INT32, ACL_INT64, ACL_UINT8};
 use crate::backend::aclnn::mc2::Exchange;
 use crate::backend::aclnn::{Aclnn, View};
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind};
 
 /// A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
@@ -46,11 +47,14 @@ pub struct fsdpturbo_npu_exchange_t {
 }
 
 fn acl_dtype(code: i32) -> Result<i32, FfiError> {
-    Ok(match Dtype::of(code, "dtype")? {
+    Ok(match float_dtype_arg(code, "dtype")? {
         Dtype::F32 => ACL_FLOAT,
         Dtype::F64 => ACL_DOUBLE,
         Dtype::F16 => ACL_FLOAT16,
         Dtype::Bf16 => ACL_BF16,
+        Dtype::U8 => ACL_UINT8,
+        Dtype::I32 => ACL_INT32,
+        Dtype::I64 => ACL_INT64,
     })
 }
 

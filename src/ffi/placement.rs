@@ -4,9 +4,12 @@
 use std::ffi::c_void;
 
 use super::error::FfiError;
-use super::handle::{arg_mut, arg_ref, arg_slice, free_handle, into_handle, invalid, write_out, write_slice};
+use super::handle::{
+    arg_mut, arg_ref, arg_slice, check_disjoint, free_handle, in_array, into_handle, invalid, out_array,
+    out_slice, write_out, write_slice,
+};
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
+use super::status::FSDPTURBO_ERR_BUFFER_TOO_SMALL;
 use crate::placement::{self, CopyPlan, Placement};
 
 /// Placement kind (fsdpturbo_placement_t.kind): torch `Shard(dim)`.
@@ -250,9 +253,7 @@ pub extern "C" fn fsdpturbo_copy_bytes(
     boundary(|| {
         let plan = &arg_ref(plan, "plan")?.plan;
         check_bytes(plan, elem_size, full_bytes, local_bytes)?;
-        check_distinct((full, full_bytes, "full"), (local.cast_const(), local_bytes, "local"))?;
-        let full = bytes(full, full_bytes, "full")?;
-        let local = bytes_mut(local, local_bytes, "local")?;
+        let (full, local) = byte_buffers((full, full_bytes, "full"), (local, local_bytes, "local"))?;
         Ok(placement::copy_runs_bytes(plan, elem_size, full, local)?)
     })
 }
@@ -272,9 +273,7 @@ pub extern "C" fn fsdpturbo_copy_bytes_back(
     boundary(|| {
         let plan = &arg_ref(plan, "plan")?.plan;
         check_bytes(plan, elem_size, full_bytes, local_bytes)?;
-        check_distinct((local, local_bytes, "local"), (full.cast_const(), full_bytes, "full"))?;
-        let local = bytes(local, local_bytes, "local")?;
-        let full = bytes_mut(full, full_bytes, "full")?;
+        let (local, full) = byte_buffers((local, local_bytes, "local"), (full, full_bytes, "full"))?;
         Ok(placement::scatter_runs_bytes(plan, elem_size, local, full)?)
     })
 }
@@ -308,28 +307,15 @@ fn check_bytes(
     Ok(())
 }
 
-fn check_distinct(a: (*const c_void, usize, &str), b: (*const c_void, usize, &str)) -> Result<(), FfiError> {
-    let (a0, b0) = (a.0 as usize, b.0 as usize);
-    if a.1 > 0 && b.1 > 0 && a0 < b0.saturating_add(b.1) && b0 < a0.saturating_add(a.1) {
-        return Err(invalid(format!("buffers `{}` and `{}` overlap; they must be distinct", a.2, b.2)));
-    }
-    Ok(())
-}
-
-fn bytes<'a>(ptr: *const c_void, len: usize, name: &str) -> Result<&'a [u8], FfiError> {
-    arg_slice(ptr.cast::<u8>(), len, name)
-}
-
-fn bytes_mut<'a>(ptr: *mut c_void, len: usize, name: &str) -> Result<&'a mut [u8], FfiError> {
-    if len == 0 {
-        return Ok(&mut []);
-    }
-    if ptr.is_null() {
-        return Err(FfiError::new(
-            FSDPTURBO_ERR_NULL_ARGUMENT,
-            format!("argument `{name}` must not be NULL"),
-        ));
-    }
-    // SAFETY: the caller guarantees `len` writable bytes at `ptr`, not overlapping the source.
-    Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) })
+/// The source and destination byte buffers of a copy, checked by the marshalling layer (NULL
+/// only when empty, no overlap).
+fn byte_buffers<'a>(
+    src: (*const c_void, usize, &str),
+    dst: (*mut c_void, usize, &str),
+) -> Result<(&'a [u8], &'a mut [u8]), FfiError> {
+    let (src_bytes, src_region) = in_array(src.0.cast::<u8>(), src.1, src.2)?;
+    let dst_region = out_array(dst.0.cast::<u8>(), dst.1, dst.2)?;
+    check_disjoint(&[dst_region], &[src_region])?;
+    // SAFETY: checked by out_array and check_disjoint; writable by the caller's contract.
+    Ok((src_bytes, unsafe { out_slice(dst.0.cast::<u8>(), dst.1) }))
 }

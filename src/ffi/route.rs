@@ -7,27 +7,17 @@
 
 use std::ffi::c_void;
 
-use super::dtype::Dtype;
+use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{
-    Region, check_array, check_disjoint, in_array, invalid, out_array, out_slice, write_out,
+    Region, check_data, check_disjoint, elems_of, host_buf, host_buf_mut, in_array, invalid, out_array,
+    out_slice, write_out,
 };
 use super::panic::boundary;
 use super::status::FSDPTURBO_ERR_BUFFER_TOO_SMALL;
-use crate::norm::{HostBuf, HostBufMut};
+use crate::dtype::Dtype;
+use crate::host::gemm;
 use crate::route;
-
-/// The element count of a `bytes`-long buffer of `dtype`, which must be a whole number of
-/// elements.
-fn elems_of(bytes: usize, dtype: Dtype, name: &str) -> Result<usize, FfiError> {
-    if bytes % dtype.size() != 0 {
-        return Err(invalid(format!(
-            "`{name}` is {bytes}, not a whole number of {}-byte elements",
-            dtype.size()
-        )));
-    }
-    Ok(bytes / dtype.size())
-}
 
 /// `bytes` must be exactly `want` elements of `dtype`.
 fn expect_bytes(
@@ -48,56 +38,14 @@ fn expect_bytes(
     }
 }
 
+/// A data buffer given as (pointer, byte length): checked by the marshalling layer.
 fn data_region<'n>(
     ptr: *const c_void,
     bytes: usize,
     dtype: Dtype,
     name: &'n str,
 ) -> Result<Region<'n>, FfiError> {
-    let n = elems_of(bytes, dtype, &format!("{name}_bytes"))?;
-    match dtype {
-        Dtype::F32 => check_array(ptr.cast::<f32>(), n, name),
-        Dtype::F64 => check_array(ptr.cast::<f64>(), n, name),
-        Dtype::F16 | Dtype::Bf16 => check_array(ptr.cast::<u16>(), n, name),
-    }
-}
-
-/// # Safety
-/// `(ptr, bytes)` passed `data_region`; the caller guarantees readable memory.
-unsafe fn host_buf<'a>(ptr: *const c_void, bytes: usize, dtype: Dtype) -> HostBuf<'a> {
-    let n = bytes / dtype.size();
-    if n == 0 {
-        return match dtype {
-            Dtype::F32 => HostBuf::F32(&[]),
-            Dtype::F64 => HostBuf::F64(&[]),
-            Dtype::F16 => HostBuf::F16(&[]),
-            Dtype::Bf16 => HostBuf::Bf16(&[]),
-        };
-    }
-    // SAFETY: non-NULL, aligned, in range (data_region); readable by the caller's contract.
-    unsafe {
-        match dtype {
-            Dtype::F32 => HostBuf::F32(std::slice::from_raw_parts(ptr.cast(), n)),
-            Dtype::F64 => HostBuf::F64(std::slice::from_raw_parts(ptr.cast(), n)),
-            Dtype::F16 => HostBuf::F16(std::slice::from_raw_parts(ptr.cast(), n)),
-            Dtype::Bf16 => HostBuf::Bf16(std::slice::from_raw_parts(ptr.cast(), n)),
-        }
-    }
-}
-
-/// # Safety
-/// `(ptr, bytes)` passed `data_region` and `check_disjoint`; writable by the caller's contract.
-unsafe fn host_buf_mut<'a>(ptr: *mut c_void, bytes: usize, dtype: Dtype) -> HostBufMut<'a> {
-    let n = bytes / dtype.size();
-    // SAFETY: as for host_buf, and no other argument overlaps it.
-    unsafe {
-        match dtype {
-            Dtype::F32 => HostBufMut::F32(out_slice(ptr.cast(), n)),
-            Dtype::F64 => HostBufMut::F64(out_slice(ptr.cast(), n)),
-            Dtype::F16 => HostBufMut::F16(out_slice(ptr.cast(), n)),
-            Dtype::Bf16 => HostBufMut::Bf16(out_slice(ptr.cast(), n)),
-        }
-    }
+    check_data(ptr, elems_of(bytes, dtype, &format!("{name}_bytes"))?, dtype, name)
 }
 
 /// Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
@@ -244,7 +192,7 @@ pub extern "C" fn fsdpturbo_permute_rows(
     dst_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let dtype = Dtype::of(dtype, "dtype")?;
+        let dtype = float_dtype_arg(dtype, "dtype")?;
         if hidden == 0 {
             return Err(invalid("`hidden` must be >= 1, got 0".into()));
         }
@@ -324,7 +272,7 @@ pub extern "C" fn fsdpturbo_unpermute(
     out_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let dtype = Dtype::of(dtype, "dtype")?;
+        let dtype = float_dtype_arg(dtype, "dtype")?;
         if hidden == 0 {
             return Err(invalid("`hidden` must be >= 1, got 0".into()));
         }
@@ -362,12 +310,13 @@ pub extern "C" fn fsdpturbo_unpermute(
         let out_region = data_region(out.cast_const(), out_bytes, dtype, "out")?;
         let (perm, perm_region) = in_array(permutation, slots, "permutation")?;
         check_disjoint(&[out_region], &[permuted_region, probs_region, perm_region])?;
+        let n = |bytes: usize| bytes / dtype.size();
         // SAFETY: every region passed data_region, and `out` check_disjoint.
         let (y, p, o) = unsafe {
             (
-                host_buf(permuted, permuted_bytes, dtype),
-                has_probs.then(|| host_buf(probs, probs_bytes, dtype)),
-                host_buf_mut(out, out_bytes, dtype),
+                host_buf(permuted, n(permuted_bytes), dtype)?,
+                if has_probs { Some(host_buf(probs, n(probs_bytes), dtype)?) } else { None },
+                host_buf_mut(out, n(out_bytes), dtype)?,
             )
         };
         Ok(route::unpermute(y, hidden, perm, top_k, p, o)?)
@@ -395,20 +344,22 @@ fn grouped(
     out_features: usize,
     c: (*mut c_void, usize, &str),
 ) -> Result<(), FfiError> {
-    let dtype = Dtype::of(dtype, "dtype")?;
+    let dtype = float_dtype_arg(dtype, "dtype")?;
     let (counts, counts_region) = in_array(group_rows, groups, "group_rows")?;
     let ra = data_region(a.0, a.1, dtype, a.2)?;
     let rb = data_region(b.0, b.1, dtype, b.2)?;
     let rc = data_region(c.0.cast_const(), c.1, dtype, c.2)?;
     check_disjoint(&[rc], &[ra, rb, counts_region])?;
     // SAFETY: every region passed data_region, and the output check_disjoint.
-    let (a, b, c) =
-        unsafe { (host_buf(a.0, a.1, dtype), host_buf(b.0, b.1, dtype), host_buf_mut(c.0, c.1, dtype)) };
+    let n = |bytes: usize| bytes / dtype.size();
+    let (a, b, c) = unsafe {
+        (host_buf(a.0, n(a.1), dtype)?, host_buf(b.0, n(b.1), dtype)?, host_buf_mut(c.0, n(c.1), dtype)?)
+    };
     let (i, o) = (in_features, out_features);
     Ok(match which {
-        Gemm::Forward => route::grouped_matmul(a, counts, b, i, o, c),
-        Gemm::GradInput => route::grouped_matmul_grad_input(a, counts, b, i, o, c),
-        Gemm::GradWeight => route::grouped_matmul_grad_weight(a, b, counts, i, o, c),
+        Gemm::Forward => gemm::grouped_matmul(a, counts, b, i, o, c),
+        Gemm::GradInput => gemm::grouped_matmul_grad_input(a, counts, b, i, o, c),
+        Gemm::GradWeight => gemm::grouped_matmul_grad_weight(a, b, counts, i, o, c),
     }?)
 }
 

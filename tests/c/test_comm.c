@@ -49,7 +49,7 @@ static void test_single_rank(void) {
   CHECK(recv[0] == 1 && recv[2] == 3);
   CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, send, recv, 3, 17, FSDPTURBO_REDUCE_SUM, NULL),
                FSDPTURBO_ERR_INVALID_ARGUMENT);
-  CHECK(last_error_contains("not an FSDPTURBO_COMM_* value"));
+  CHECK(last_error_contains("not an FSDPTURBO_DTYPE_* value"));
   size_t counts[1] = {2}, displs[1] = {1};
   CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, send, recv, counts, displs, counts, displs, FSDPTURBO_COMM_F32, NULL),
                FSDPTURBO_OK);

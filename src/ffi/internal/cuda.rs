@@ -6,11 +6,10 @@
 
 use std::ffi::c_void;
 
+use crate::backend::Stream;
 use crate::backend::cublas::{self, GemmBuffers, GemmKind};
-use crate::backend::kernels::{self, DeviceTensor, Elem, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
-use crate::comm::Stream;
-use crate::ffi::dtype::Dtype;
-use crate::ffi::error::FfiError;
+use crate::backend::kernels::{self, DeviceTensor, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
+use crate::ffi::dtype::float_dtype_arg;
 use crate::ffi::handle::{arg_slice, invalid, write_out, write_slice};
 use crate::ffi::norm::fsdpturbo_grad_t;
 use crate::ffi::panic::boundary;
@@ -22,15 +21,6 @@ pub const FSDPTURBO_GEMM_FORWARD: i32 = 0;
 pub const FSDPTURBO_GEMM_GRAD_INPUT: i32 = 1;
 /// grad_W[g] = grad_y_g^T @ x_g (a = grad_y, b = x, c = grad_W).
 pub const FSDPTURBO_GEMM_GRAD_WEIGHT: i32 = 2;
-
-fn elem(code: i32, name: &str) -> Result<Elem, FfiError> {
-    Ok(match Dtype::of(code, name)? {
-        Dtype::F32 => Elem::F32,
-        Dtype::F64 => Elem::F64,
-        Dtype::F16 => Elem::F16,
-        Dtype::Bf16 => Elem::Bf16,
-    })
-}
 
 fn addr<T>(p: *const T) -> u64 {
     p as usize as u64
@@ -93,7 +83,7 @@ pub extern "C" fn fsdpturbo_cuda_permute_rows(
     workspace_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let e = elem(dtype, "dtype")?;
+        let e = float_dtype_arg(dtype, "dtype")?;
         let row_bytes = hidden
             .checked_mul(e.size())
             .ok_or_else(|| invalid(format!("hidden {hidden} overflows a row's byte size")))?;
@@ -134,7 +124,7 @@ pub extern "C" fn fsdpturbo_cuda_unpermute(
     workspace_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let e = elem(dtype, "dtype")?;
+        let e = float_dtype_arg(dtype, "dtype")?;
         let b = UnpermuteBuffers {
             permuted: addr(permuted),
             permutation: addr(permutation),
@@ -169,7 +159,7 @@ pub extern "C" fn fsdpturbo_cuda_multi_tensor_table(
             described.push(DeviceTensor {
                 ptr: addr(ptr),
                 numel: t.numel,
-                elem: elem(t.dtype, &format!("tensors[{i}].dtype"))?,
+                elem: float_dtype_arg(t.dtype, format_args!("tensors[{i}].dtype"))?,
             });
         }
         let (words, chunks) = kernels::multi_tensor_table(&described)?;
@@ -253,7 +243,7 @@ pub extern "C" fn fsdpturbo_cuda_grouped_matmul(
     workspace_bytes: usize,
 ) -> i32 {
     boundary(|| {
-        let e = elem(dtype, "dtype")?;
+        let e = float_dtype_arg(dtype, "dtype")?;
         let kind = match kind {
             FSDPTURBO_GEMM_FORWARD => GemmKind::Forward,
             FSDPTURBO_GEMM_GRAD_INPUT => GemmKind::GradInput,

@@ -1,0 +1,169 @@
+use std::arch::x86_64::*;
+
+use super::{GEMM_KC, MR, Operand, pack, round_up};
+
+/// The columns of an 8 × 8 block given as 8 rows.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    // Columns j (low 128 bits) and j + 4 (high) of rows 0..4, then of rows 4..8.
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xee>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xee>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
+}
+
+/// `pack_blocks::<T, f32, 16>` for an operand whose depth is contiguous (`s_k == 1`): each
+/// whole panel's 16 rows are first decoded into `tmp` over the full depth range (one long
+/// sequential read per row; reading the rows side by side, often a multiple of 4 KiB
+/// apart, would make the cache sets thrash and defeat the prefetchers), then transposed
+/// 8 × 8 in registers into each K block. Writes the same values as the portable pack.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_b_t16<T: Copy>(
+    src: &[T],
+    op: Operand,
+    mn0: usize,
+    len: usize,
+    k0: usize,
+    klen: usize,
+    dst: &mut [f32],
+    dec: &impl Fn(T) -> f32,
+    tmp: &mut Vec<f32>,
+) {
+    const R: usize = 16;
+    let full = len / R;
+    let np = round_up(len, R);
+    // Rows of `tmp` one cache line longer than needed, so they do not share cache sets.
+    let stride = klen + 16;
+    tmp.resize(R * stride, 0.0);
+    for q in 0..full {
+        let first = op.off + (mn0 + q * R) * op.s_mn + k0;
+        for (l, out) in tmp.chunks_exact_mut(stride).enumerate() {
+            for (o, &v) in out[..klen].iter_mut().zip(&src[first + l * op.s_mn..][..klen]) {
+                *o = dec(v);
+            }
+        }
+        let rows: [&[f32]; R] = std::array::from_fn(|l| &tmp[l * stride..l * stride + klen]);
+        for kb in (k0..k0 + klen).step_by(GEMM_KC) {
+            let kc = GEMM_KC.min(k0 + klen - kb);
+            let d = kb - k0;
+            let panel = &mut dst[np * d + q * kc * R..np * d + (q + 1) * kc * R];
+            let whole = kc / 8 * 8;
+            for b in (0..whole).step_by(8) {
+                for half in 0..2 {
+                    // SAFETY: `d + b + 8 <= klen`: each row holds the 8 floats read.
+                    let v: [__m256; 8] = std::array::from_fn(|i| unsafe {
+                        _mm256_loadu_ps(rows[half * 8 + i][d + b..d + b + 8].as_ptr())
+                    });
+                    for (p, col) in transpose8(v).into_iter().enumerate() {
+                        let at = &mut panel[(b + p) * R + half * 8..][..8];
+                        // SAFETY: `at` holds 8 floats.
+                        unsafe { _mm256_storeu_ps(at.as_mut_ptr(), col) };
+                    }
+                }
+            }
+            for p in whole..kc {
+                for l in 0..R {
+                    panel[p * R + l] = rows[l][d + p];
+                }
+            }
+        }
+    }
+    if full * R < len {
+        // The last, partial panel of each block.
+        for kb in (k0..k0 + klen).step_by(GEMM_KC) {
+            let kc = GEMM_KC.min(k0 + klen - kb);
+            let at = np * (kb - k0) + full * kc * R;
+            pack::<T, f32, R>(
+                src,
+                op,
+                mn0 + full * R,
+                len - full * R,
+                kb,
+                kc,
+                &mut dst[at..at + R * kc],
+                dec,
+            );
+        }
+    }
+}
+
+/// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·16 + j]`, i < 6, j < 16.
+///
+/// # Safety
+/// AVX2 and FMA are available; `a` holds 6·kc, `b` 16·kc floats, and `c` a 6 × 16 tile
+/// with row stride `ldc`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn kernel_f32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+    // SAFETY: the caller's contract covers every pointer offset below.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        for p in 0..kc {
+            let bp = b.add(p * 16);
+            let b0 = _mm256_loadu_ps(bp);
+            let b1 = _mm256_loadu_ps(bp.add(8));
+            let ap = a.add(p * MR);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai = _mm256_broadcast_ss(&*ap.add(i));
+                row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let cp = c.add(i * ldc);
+            _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), row[0]));
+            _mm256_storeu_ps(cp.add(8), _mm256_add_ps(_mm256_loadu_ps(cp.add(8)), row[1]));
+        }
+    }
+}
+
+/// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·8 + j]`, i < 6, j < 8.
+///
+/// # Safety
+/// As for `kernel_f32`, with 8·kc doubles of `b` and a 6 × 8 tile.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn kernel_f64(kc: usize, a: *const f64, b: *const f64, c: *mut f64, ldc: usize) {
+    // SAFETY: the caller's contract covers every pointer offset below.
+    unsafe {
+        let mut acc = [[_mm256_setzero_pd(); 2]; MR];
+        for p in 0..kc {
+            let bp = b.add(p * 8);
+            let b0 = _mm256_loadu_pd(bp);
+            let b1 = _mm256_loadu_pd(bp.add(4));
+            let ap = a.add(p * MR);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai = _mm256_broadcast_sd(&*ap.add(i));
+                row[0] = _mm256_fmadd_pd(ai, b0, row[0]);
+                row[1] = _mm256_fmadd_pd(ai, b1, row[1]);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let cp = c.add(i * ldc);
+            _mm256_storeu_pd(cp, _mm256_add_pd(_mm256_loadu_pd(cp), row[0]));
+            _mm256_storeu_pd(cp.add(4), _mm256_add_pd(_mm256_loadu_pd(cp.add(4)), row[1]));
+        }
+    }
+}

@@ -26,23 +26,6 @@
 // Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
 #define FSDPTURBO_HCCL_COMM_NAME_BYTES 128
 
-// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks):
-// the FSDPTURBO_DTYPE_* codes under their former names (one code space since ABI version 2;
-// new code uses FSDPTURBO_DTYPE_*).
-#define FSDPTURBO_COMM_U8 FSDPTURBO_DTYPE_U8
-
-#define FSDPTURBO_COMM_I32 FSDPTURBO_DTYPE_I32
-
-#define FSDPTURBO_COMM_I64 FSDPTURBO_DTYPE_I64
-
-#define FSDPTURBO_COMM_F16 FSDPTURBO_DTYPE_F16
-
-#define FSDPTURBO_COMM_BF16 FSDPTURBO_DTYPE_BF16
-
-#define FSDPTURBO_COMM_F32 FSDPTURBO_DTYPE_F32
-
-#define FSDPTURBO_COMM_F64 FSDPTURBO_DTYPE_F64
-
 // Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 #define FSDPTURBO_REDUCE_PROD 2
 

@@ -96,7 +96,7 @@ class Abi:
             self.structs[m.group(2)] = [_split_decl(d) for d in decls if d]
         text = re.sub(r"typedef struct \{.*?\} \w+;", "", text, flags=re.S)
         lines = text.splitlines()
-        aliases = {}  # a constant defined as another one (e.g. FSDPTURBO_COMM_F32 FSDPTURBO_DTYPE_F32)
+        aliases = {}  # a constant defined as another one (e.g. #define FSDPTURBO_A FSDPTURBO_B)
         for line in (line for line in lines if line.startswith("#define")):
             m = re.fullmatch(r"#define\s+(\w+)(?:\s+(.*))?", line)
             name, value = m.group(1), (m.group(2) or "").strip()

@@ -4,10 +4,7 @@
 use std::cell::RefCell;
 use std::ffi::c_void;
 
-use super::dtype::{
-    FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64, FSDPTURBO_DTYPE_I32,
-    FSDPTURBO_DTYPE_I64, FSDPTURBO_DTYPE_U8, dtype_arg,
-};
+use super::dtype::dtype_arg;
 use super::error::FfiError;
 use super::error::last_error_message;
 use super::handle::{arg_ref, arg_slice, check_struct_size, free_handle, into_handle, invalid, write_out};
@@ -22,16 +19,6 @@ use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
 use crate::comm::{AllToAllV, Collective, Dtype, ReduceOp, SingleRank, Stream};
 
-/// Element types of collectives (`int32_t dtype` of fsdpturbo_comm_* and the host callbacks):
-/// the FSDPTURBO_DTYPE_* codes under their former names (one code space since ABI version 2;
-/// new code uses FSDPTURBO_DTYPE_*).
-pub const FSDPTURBO_COMM_U8: i32 = FSDPTURBO_DTYPE_U8;
-pub const FSDPTURBO_COMM_I32: i32 = FSDPTURBO_DTYPE_I32;
-pub const FSDPTURBO_COMM_I64: i32 = FSDPTURBO_DTYPE_I64;
-pub const FSDPTURBO_COMM_F16: i32 = FSDPTURBO_DTYPE_F16;
-pub const FSDPTURBO_COMM_BF16: i32 = FSDPTURBO_DTYPE_BF16;
-pub const FSDPTURBO_COMM_F32: i32 = FSDPTURBO_DTYPE_F32;
-pub const FSDPTURBO_COMM_F64: i32 = FSDPTURBO_DTYPE_F64;
 /// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
 pub const FSDPTURBO_REDUCE_MIN: i32 = 3;

@@ -14,7 +14,7 @@ typedef struct {
 static int32_t all_reduce(void *user, const void *send, void *recv, size_t count, int32_t dtype, int32_t op) {
   peer_t *peer = (peer_t *)user;
   ++peer->calls;
-  if (dtype != FSDPTURBO_COMM_F64 || count != 1) return 5;
+  if (dtype != FSDPTURBO_DTYPE_F64 || count != 1) return 5;
   double mine = *(const double *)send;
   *(double *)recv = op == FSDPTURBO_REDUCE_MAX ? (mine > peer->peer_value ? mine : peer->peer_value)
                                                          : mine + peer->peer_value;
@@ -44,14 +44,14 @@ static void test_single_rank(void) {
   CHECK_STATUS(fsdpturbo_comm_rank(comm, &rank, &world), FSDPTURBO_OK);
   CHECK(rank == 0 && world == 1);
   float send[3] = {1, 2, 3}, recv[3] = {0, 0, 0};
-  CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, send, recv, 3, FSDPTURBO_COMM_F32, FSDPTURBO_REDUCE_SUM, NULL),
+  CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, send, recv, 3, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
                FSDPTURBO_OK);
   CHECK(recv[0] == 1 && recv[2] == 3);
   CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, send, recv, 3, 17, FSDPTURBO_REDUCE_SUM, NULL),
                FSDPTURBO_ERR_INVALID_ARGUMENT);
   CHECK(last_error_contains("not an FSDPTURBO_DTYPE_* value"));
   size_t counts[1] = {2}, displs[1] = {1};
-  CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, send, recv, counts, displs, counts, displs, FSDPTURBO_COMM_F32, NULL),
+  CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, send, recv, counts, displs, counts, displs, FSDPTURBO_DTYPE_F32, NULL),
                FSDPTURBO_OK);
   CHECK(recv[1] == 2 && recv[2] == 3);
   fsdpturbo_comm_free(comm);
@@ -104,7 +104,7 @@ static void test_grad_norm_over_host_callbacks(void) {
   CHECK(last_error_contains("all_reduce callback failed with status 42"));
   CHECK(sharded[0] == before);
   /* Callbacks it was not given. */
-  CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, sharded, sharded, NULL, NULL, NULL, NULL, FSDPTURBO_COMM_F32, NULL),
+  CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, sharded, sharded, NULL, NULL, NULL, NULL, FSDPTURBO_DTYPE_F32, NULL),
                FSDPTURBO_ERR_NULL_ARGUMENT);
   fsdpturbo_comm_free(comm);
 }

@@ -18,11 +18,11 @@ __all__ = ["Comm", "host_comm", "single_rank_comm", "nccl_comm", "nccl_comm_for_
 
 _c = ctypes
 logger = logging.getLogger(__name__)
-# FSDPTURBO_COMM_* codes and the torch dtypes they carry.
-_DTYPES = {_abi.FSDPTURBO_COMM_U8: torch.uint8, _abi.FSDPTURBO_COMM_I32: torch.int32,
-           _abi.FSDPTURBO_COMM_I64: torch.int64, _abi.FSDPTURBO_COMM_F16: torch.float16,
-           _abi.FSDPTURBO_COMM_BF16: torch.bfloat16, _abi.FSDPTURBO_COMM_F32: torch.float32,
-           _abi.FSDPTURBO_COMM_F64: torch.float64}
+# FSDPTURBO_DTYPE_* codes and the torch dtypes they carry.
+_DTYPES = {_abi.FSDPTURBO_DTYPE_U8: torch.uint8, _abi.FSDPTURBO_DTYPE_I32: torch.int32,
+           _abi.FSDPTURBO_DTYPE_I64: torch.int64, _abi.FSDPTURBO_DTYPE_F16: torch.float16,
+           _abi.FSDPTURBO_DTYPE_BF16: torch.bfloat16, _abi.FSDPTURBO_DTYPE_F32: torch.float32,
+           _abi.FSDPTURBO_DTYPE_F64: torch.float64}
 _CODES = {v: k for k, v in _DTYPES.items()}
 # FSDPTURBO_REDUCE_* codes.
 _OPS = {_abi.FSDPTURBO_REDUCE_SUM: dist.ReduceOp.SUM, _abi.FSDPTURBO_REDUCE_MAX: dist.ReduceOp.MAX,
@@ -37,7 +37,7 @@ _CommGroup = _abi.fsdpturbo_comm_group_t
 
 
 def _view(ptr, count, code):
-    """A CPU tensor over `count` elements of FSDPTURBO_COMM_* `code` at address `ptr` (no copy)."""
+    """A CPU tensor over `count` elements of FSDPTURBO_DTYPE_* `code` at address `ptr` (no copy)."""
     dtype = _DTYPES[code]
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:

@@ -367,6 +367,34 @@ fn shard(dim: i64) -> fsdpturbo_placement_t {
     fsdpturbo_placement_t { kind: FSDPTURBO_PLACEMENT_SHARD, dim, split_factor: 0 }
 }
 
+/// fsdpturbo_safetensors_read_plan_new on a 1-D mesh of 2 ranks; a plan made is freed.
+fn plan_on_2(
+    files: &[*const fsdpturbo_safetensors_t],
+    names: &[*const c_char],
+    parts_per_row: usize,
+    shape: &[u64],
+    placement: fsdpturbo_placement_t,
+    rank: u64,
+) -> i32 {
+    let mut plan = std::ptr::null_mut();
+    let status = fsdpturbo_safetensors_read_plan_new(
+        files.as_ptr(),
+        files.len(),
+        names.as_ptr(),
+        names.len(),
+        parts_per_row,
+        shape.as_ptr(),
+        shape.len(),
+        [2u64].as_ptr(),
+        1,
+        &placement,
+        rank,
+        &mut plan,
+    );
+    fsdpturbo_read_plan_free(plan);
+    status
+}
+
 #[test]
 fn c_abi_parses_and_plans() {
     let f = write(&[
@@ -444,89 +472,26 @@ fn c_abi_parses_and_plans() {
 
     // Errors: a missing name, a rank outside the mesh, names for a direct tensor, a bad placement.
     let missing = CString::new("nope").unwrap();
-    let one = [missing.as_ptr()];
     let s2 = [2u64, 3];
-    let status = fsdpturbo_safetensors_read_plan_new(
-        files.as_ptr(),
-        1,
-        one.as_ptr(),
-        1,
-        0,
-        s2.as_ptr(),
-        2,
-        mesh.as_ptr(),
-        1,
-        placements.as_ptr(),
-        0,
-        &mut plan,
-    );
-    assert_eq!(status, FSDPTURBO_ERR_NOT_FOUND as i32);
+    assert_eq!(plan_on_2(&files, &[missing.as_ptr()], 0, &s2, shard(0), 0), FSDPTURBO_ERR_NOT_FOUND as i32);
     assert_eq!(last_error(), "tensor `nope` is in none of the 1 files given");
-    let status = fsdpturbo_safetensors_read_plan_new(
-        files.as_ptr(),
-        1,
-        ptrs.as_ptr(),
-        1,
-        0,
-        s2.as_ptr(),
-        2,
-        mesh.as_ptr(),
-        1,
-        placements.as_ptr(),
-        2,
-        &mut plan,
-    );
-    assert_eq!(status, FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
+    assert_eq!(plan_on_2(&files, &ptrs[..1], 0, &s2, shard(0), 2), FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
     assert!(last_error().contains("`rank` is 2 but the mesh [2] has 2 ranks"), "{}", last_error());
-    let status = fsdpturbo_safetensors_read_plan_new(
-        files.as_ptr(),
-        1,
-        ptrs.as_ptr(),
-        2,
-        0,
-        s2.as_ptr(),
-        2,
-        mesh.as_ptr(),
-        1,
-        placements.as_ptr(),
-        0,
-        &mut plan,
+    assert_eq!(plan_on_2(&files, &ptrs[..2], 0, &s2, shard(0), 0), FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
+    assert!(
+        last_error().contains("`parts_per_row` is 0 (one checkpoint tensor) but 2 names"),
+        "{}",
+        last_error()
     );
-    assert_eq!(status, FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
-    let bad_placement = [fsdpturbo_placement_t { kind: 7, dim: 0, split_factor: 0 }];
-    let status = fsdpturbo_safetensors_read_plan_new(
-        files.as_ptr(),
-        1,
-        ptrs.as_ptr(),
-        1,
-        0,
-        s2.as_ptr(),
-        2,
-        mesh.as_ptr(),
-        1,
-        bad_placement.as_ptr(),
-        0,
-        &mut plan,
+    let bad_placement = fsdpturbo_placement_t { kind: 7, dim: 0, split_factor: 0 };
+    assert_eq!(
+        plan_on_2(&files, &ptrs[..1], 0, &s2, bad_placement, 0),
+        FSDPTURBO_ERR_INVALID_ARGUMENT as i32
     );
-    assert_eq!(status, FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
     assert!(last_error().contains("`placements[0].kind` is 7"), "{}", last_error());
     // The same file twice: every name is ambiguous.
     let twice = [file.cast_const(), file.cast_const()];
-    let status = fsdpturbo_safetensors_read_plan_new(
-        twice.as_ptr(),
-        2,
-        ptrs.as_ptr(),
-        1,
-        0,
-        s2.as_ptr(),
-        2,
-        mesh.as_ptr(),
-        1,
-        placements.as_ptr(),
-        0,
-        &mut plan,
-    );
-    assert_eq!(status, FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
+    assert_eq!(plan_on_2(&twice, &ptrs[..1], 0, &s2, shard(0), 0), FSDPTURBO_ERR_INVALID_ARGUMENT as i32);
     assert!(last_error().contains("is in files[0] and files[1]"), "{}", last_error());
 
     let mut len = 0usize;

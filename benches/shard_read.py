@@ -221,7 +221,7 @@ def main():
                 json.load(open(os.path.join(out, n))) for n in os.listdir(out)}
         mb = lambda b: f"{b / 1e6:,.0f}"  # noqa: E731
         print(f"{'rank':>4} | {'local share MB':>14} | {'file MB new/old':>17} {'new/share':>9} | "
-              f"{'disk MB new/old':>17} | {'RSS growth MB new/old':>21} {'new/(share+largest)':>19} | "
+              f"{'disk MB new/old':>17} | {'RSS growth MB new/old':>21} {'new/(params+largest)':>20} | "
               f"{'load s new/old':>15} {'ratio':>6}")
         for rank in range(WORLD):
             n, o = rows[("new", rank)], rows[("old", rank)]

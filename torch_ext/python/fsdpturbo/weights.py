@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import hf_layout
 from .placement import _load_placement, _slice_target, copy_weights_, gather_full
 from .progress import Progress
 
@@ -168,12 +169,8 @@ class _Checkpoint:
         if name in self.where:
             self.used.add(name)
             return name
-        prefix, _, leaf = name.rpartition(".")
-        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(leaf)
-        if parts is None or not num_rows:
-            return None
-        keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(num_rows)]
-        if not all(k in self.where for row in keys for k in row):
+        keys = hf_layout.per_expert_keys(name, num_rows)
+        if keys is None or not all(k in self.where for row in keys for k in row):
             return None
         self.used.update(k for row in keys for k in row)
         return keys
@@ -344,7 +341,7 @@ def _full_read_reference(model, path):
     def tensor(sources):
         if isinstance(sources, str):
             return where[sources].get_tensor(sources)
-        return torch.stack([torch.cat([where[k].get_tensor(k) for k in row]) for row in sources])
+        return hf_layout.stack(sources, lambda key: where[key].get_tensor(key))
 
     loaded = []
     for name, param in model.named_parameters():

@@ -2,7 +2,9 @@
 1. routing metadata (histogram + stable permutation + splits): the Rust counting sort
    (`torch.ops.fsdpturbo.moe_route`) vs the torch path the seed uses (histc + argsort), T=16384,
    K=8, E=128, P=8;
-2. a Qwen3-MoE sparse block forward + backward in one process (ep 1): fused vs eager dispatcher.
+2. a Qwen3-MoE sparse block forward + backward in one process (ep 1): fused vs eager dispatcher;
+3. the cost of the expert-load statistics (`fsdpturbo.expert_stats.record`) in that block: the
+   fused block with and without recording, rounds alternated.
 Run: PYTHONPATH=torch_ext/python .venv/bin/python benches/moe.py
 """
 import os
@@ -46,7 +48,7 @@ def routing(tokens=16384, top_k=8, num_experts=128, ep_size=8):
           f"torch histc+argsort {t_torch * 1e3:.2f} ms, ratio {t_torch / t_ours:.1f}x")
 
 
-def block(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16, top_k=4):
+def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16, top_k=4):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -63,7 +65,32 @@ def block(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16, top
         moe.zero_grad(set_to_none=True)
         moe(x).sum().backward()
 
-    return median_seconds(step, 7)
+    return step
+
+
+def block(dispatcher, dtype):
+    return median_seconds(block_step(dispatcher, dtype), 7)
+
+
+def expert_load_cost(calls=2000):
+    """What recording adds to one fused fp32 block forward + backward: the pipeline's statistics
+    call (this rank's row of the gathered counts summed over slices, added to the module's
+    tally) timed alone over `calls` calls, against the block's median time. (An A/B of whole
+    blocks cannot resolve it: the blocks' run-to-run noise is larger than the call.)"""
+    from fsdpturbo import expert_stats
+
+    step = block_step("fused", torch.float32)
+    block_seconds = median_seconds(step, 7)
+    module = torch.nn.Module()
+    gathered = torch.randint(0, 512, (1, 1, 17))
+
+    def record_many():
+        for _ in range(calls):
+            expert_stats.record(module, gathered[0, :, :16].sum(0))
+
+    per_call = median_seconds(record_many, 5) / calls
+    print(f"expert-load statistics: {per_call * 1e6:.1f} us per MoE layer call, fused fp32 block fwd+bwd "
+          f"{block_seconds * 1e3:.1f} ms: cost {100 * per_call / block_seconds:.4f} %")
 
 
 def main():
@@ -76,6 +103,7 @@ def main():
         eager, fused = block("eager", dtype), block("fused", dtype)
         print(f"MoE block fwd+bwd {str(dtype)[6:]} (2048 tokens, H=512, I=256, 16 experts, top-4): "
               f"eager {eager * 1e3:.1f} ms, fused {fused * 1e3:.1f} ms, fused/eager speed-up {eager / fused:.2f}x")
+    expert_load_cost()
     dist.destroy_process_group()
 
 

@@ -189,6 +189,12 @@ typedef struct fsdpturbo_pattern_t fsdpturbo_pattern_t;
 // A resolved plan together with the model tree, topology and storage dtype it was made for.
 typedef struct fsdpturbo_plan_t fsdpturbo_plan_t;
 
+// The reads that fill one rank's local tensor.
+typedef struct fsdpturbo_read_plan_t fsdpturbo_read_plan_t;
+
+// A parsed, validated safetensors header.
+typedef struct fsdpturbo_safetensors_t fsdpturbo_safetensors_t;
+
 // An opaque, immutable topology. Made by fsdpturbo_topology_new or fsdpturbo_state_get; freed
 // with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
@@ -351,6 +357,16 @@ typedef struct {
   uint64_t optimizer_bytes;
   uint64_t total_bytes;
 } fsdpturbo_memory_t;
+
+// One read of a read plan: `length` bytes at byte `offset` of file `file` (an index into the
+// `files` array given to fsdpturbo_safetensors_read_plan_new) go to byte `dst_offset` of the
+// local tensor (row-major, contiguous, in the checkpoint's dtype).
+typedef struct {
+  uint64_t file;
+  uint64_t offset;
+  uint64_t length;
+  uint64_t dst_offset;
+} fsdpturbo_byte_range_t;
 
 // The sizes of a topology. Initialise with FSDPTURBO_TOPOLOGY_OPTIONS_INIT, then set the
 // sizes you need. A 0 in dp_size, mp_shard_size or efsdp_size means "the default formula";
@@ -990,6 +1006,95 @@ int32_t fsdpturbo_grouped_matmul_grad_weight(int32_t dtype,
                                              size_t out_features,
                                              void *grad_weight,
                                              size_t grad_weight_bytes);
+
+// The number of bytes before a safetensors file's data section (8 + the JSON header length),
+// from its first `len` (>= 8) bytes at `prefix`: how many bytes to read from the start of the
+// file for fsdpturbo_safetensors_parse. A header length over the format's limit (100 MB) is
+// FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_safetensors_header_size(const uint8_t *prefix, size_t len, uint64_t *out);
+
+// Parses and validates the header at the start of a safetensors file: `len` bytes at `bytes`
+// (at least fsdpturbo_safetensors_header_size of them; more are ignored). `file_size` is the
+// file's size in bytes, or 0 when unknown (nothing is checked against it). With a size, the
+// data section must end exactly at the end of the file: a shorter file is an error naming the
+// first tensor that runs past it (truncated), a longer one an error naming the extra bytes.
+// Offsets must tile the data section without holes or overlaps, each tensor's bytes must be
+// its shape times its dtype's size, keys must be unique and entries hold only dtype, shape
+// and data_offsets; every error names the tensor. On success `*out` receives a handle to free
+// with fsdpturbo_safetensors_free.
+int32_t fsdpturbo_safetensors_parse(const uint8_t *bytes,
+                                    size_t len,
+                                    uint64_t file_size,
+                                    fsdpturbo_safetensors_t **out);
+
+// Frees a parsed header; NULL is a no-op.
+void fsdpturbo_safetensors_free(fsdpturbo_safetensors_t *file);
+
+// The header as JSON (NUL-terminated, `cap` bytes at `buf`; `*out_len` receives the bytes
+// needed with the NUL, a short buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL): `{"data_start",
+// "data_bytes", "tensors": [{"name", "dtype", "shape", "data_offsets": [begin, end]}, …] in
+// file order, "metadata": {…}}`; offsets are relative to `data_start`.
+int32_t fsdpturbo_safetensors_to_json(const fsdpturbo_safetensors_t *file,
+                                      char *buf,
+                                      size_t cap,
+                                      size_t *out_len);
+
+// Plans the reads of one rank's local slice of a tensor of `global_shape` (`ndim` dims)
+// placed by `placements` on a mesh of `mesh_shape` (`mesh_ndim` dims and placements), exactly
+// as torch DTensor slices it (uneven and empty shards, _StridedShard; PARTIAL is refused).
+// `rank` is the rank's index in the mesh, row-major (its coordinate's position in
+// `init_device_mesh`'s numbering). The tensor is made of the checkpoint tensors `names`
+// (`n_names`), looked up in the `n_files` parsed headers `files`:
+// * `parts_per_row` = 0: one name, a checkpoint tensor of shape `global_shape`;
+// * `parts_per_row` >= 1: a stack (the per-expert layout): `global_shape` is `[E, R, …]`,
+//   `n_names` = E × `parts_per_row`, and row `e` is the dim-0 concatenation of
+//   `names[e * parts_per_row ..]` (e.g. `experts.{e}.gate_proj.weight`, `.up_proj.weight`), each
+//   `[R_j, …]` with Σ R_j = R.
+//
+// A name in no file is FSDPTURBO_ERR_NOT_FOUND, a name in two files, shapes or dtypes that do
+// not fit, or a sub-byte dtype FSDPTURBO_ERR_INVALID_ARGUMENT; messages name the tensor. On
+// success `*out` receives a plan to free with fsdpturbo_read_plan_free.
+int32_t fsdpturbo_safetensors_read_plan_new(const fsdpturbo_safetensors_t *const *files,
+                                            size_t n_files,
+                                            const char *const *names,
+                                            size_t n_names,
+                                            size_t parts_per_row,
+                                            const uint64_t *global_shape,
+                                            size_t ndim,
+                                            const uint64_t *mesh_shape,
+                                            size_t mesh_ndim,
+                                            const fsdpturbo_placement_t *placements,
+                                            uint64_t rank,
+                                            fsdpturbo_read_plan_t **out);
+
+// Frees a read plan; NULL is a no-op.
+void fsdpturbo_read_plan_free(fsdpturbo_read_plan_t *plan);
+
+// The reads of the plan, in local order, contiguous ones merged: `cap` entries at `ranges`.
+// `*out_len` always receives the number of reads; when it exceeds `cap` the status is
+// FSDPTURBO_ERR_BUFFER_TOO_SMALL and nothing is written (pass 0 and NULL to ask for it).
+int32_t fsdpturbo_read_plan_ranges(const fsdpturbo_read_plan_t *plan,
+                                   fsdpturbo_byte_range_t *ranges,
+                                   size_t cap,
+                                   size_t *out_len);
+
+// The local tensor's shape, `cap` entries at `shape`; `*out_ndim` always receives the number
+// of dims, and a short buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+int32_t fsdpturbo_read_plan_local_shape(const fsdpturbo_read_plan_t *plan,
+                                        uint64_t *shape,
+                                        size_t cap,
+                                        size_t *out_ndim);
+
+// The local tensor's bytes (its numel times the checkpoint dtype's size): the sum of the
+// reads' lengths.
+int32_t fsdpturbo_read_plan_local_bytes(const fsdpturbo_read_plan_t *plan, uint64_t *out);
+
+// The checkpoint dtype of the plan's tensor, as the format spells it ("BF16", "F32", …):
+// NUL-terminated, `cap` bytes at `buf`, `*out_len` the bytes needed with the NUL.
+int32_t fsdpturbo_read_plan_dtype(const fsdpturbo_read_plan_t *plan,
+                                  char *buf,
+                                  size_t cap,
+                                  size_t *out_len);
 
 // Registers (or replaces, as the seed does) the spec of `model_type` in the process-wide
 // registry: `ep_modules` (n_ep patterns, at least one) and `ep_fsdp_modules` (n_fsdp

@@ -26,6 +26,7 @@ pub mod pattern;
 pub mod placement;
 pub mod plan;
 pub mod route;
+pub mod safetensors;
 pub mod spec;
 pub mod state;
 pub mod topology;

@@ -38,7 +38,7 @@ pub struct fsdpturbo_copy_plan_t {
     plan: CopyPlan,
 }
 
-fn placement_from_c(p: &fsdpturbo_placement_t, k: usize) -> Result<Placement, FfiError> {
+pub(crate) fn placement_from_c(p: &fsdpturbo_placement_t, k: usize) -> Result<Placement, FfiError> {
     let dim = || -> Result<usize, FfiError> {
         usize::try_from(p.dim).map_err(|_| {
             invalid(format!(

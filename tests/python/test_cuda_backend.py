@@ -80,7 +80,7 @@ def test_single_rank_comm_copies():
     t = torch.arange(5, dtype=torch.float32)
     c.all_reduce(t)
     assert t.tolist() == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError, match="FSDPTURBO_COMM"):
+    with pytest.raises(ValueError, match=r"`dtype` is 42, not an FSDPTURBO_DTYPE_\* value"):
         fsdpturbo._native.check(comm.lib.fsdpturbo_comm_all_reduce(c.handle, t.data_ptr(), t.data_ptr(), 5, 42, 0,
                                                                    None))
 

@@ -9,8 +9,10 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import parse_train_config
 from .efsdp import FSDPPlanConfig, expert_fully_shard_modules
 from .engine import shard_model
+from .expert_stats import expert_load, expert_load_table, load_summary
 from .norm import clip_grad_norm_, get_total_norm, warmup_grad_norm
 from .patch import patch_model_members
+from .router_replay import record_routes, replay_routes
 from .pattern import module_name_match
 from .placement import copy_weights_, gather_full, local_shape_and_offset
 from .plan import get_model_spec, register_model_spec, resolve_plan
@@ -23,8 +25,8 @@ __version__ = ops.version()
 
 __all__ = [
     "FSDPPlanConfig", "FsdpturboError", "FsdpturboValueError", "ParallelState", "clip_grad_norm_", "copy_weights_",
-    "dispatch_op", "expert_fully_shard_modules", "full_state_dict", "gather_full", "get_model_spec", "get_op", "get_parallel_state",
-    "get_total_norm", "initialize_parallel_state", "load_checkpoint", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
-    "module_name_match", "ops", "parse_train_config", "patch_model_members", "register_model_spec", "register_op", "reset_parallel_state", "resolve_plan",
+    "dispatch_op", "expert_fully_shard_modules", "expert_load", "expert_load_table", "full_state_dict", "gather_full", "get_model_spec", "get_op", "get_parallel_state",
+    "get_total_norm", "initialize_parallel_state", "load_checkpoint", "load_summary", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
+    "module_name_match", "ops", "parse_train_config", "patch_model_members", "record_routes", "replay_routes", "register_model_spec", "register_op", "reset_parallel_state", "resolve_plan",
     "save_checkpoint", "save_hf_weights", "shard_model", "warmup_grad_norm",
 ]

@@ -117,6 +117,10 @@ class fsdpturbo_memory_t(_c.Structure):
     pass
 
 
+class fsdpturbo_byte_range_t(_c.Structure):
+    pass
+
+
 class fsdpturbo_topology_options_t(_c.Structure):
     pass
 
@@ -197,6 +201,12 @@ fsdpturbo_memory_t._fields_ = [
     ('grad_bytes', _c.c_uint64),
     ('optimizer_bytes', _c.c_uint64),
     ('total_bytes', _c.c_uint64),
+]
+fsdpturbo_byte_range_t._fields_ = [
+    ('file', _c.c_uint64),
+    ('offset', _c.c_uint64),
+    ('length', _c.c_uint64),
+    ('dst_offset', _c.c_uint64),
 ]
 fsdpturbo_topology_options_t._fields_ = [
     ('struct_size', _c.c_size_t),
@@ -283,6 +293,16 @@ FUNCTIONS = {
     'fsdpturbo_grouped_matmul': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_grouped_matmul_grad_input': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_grouped_matmul_grad_weight': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_safetensors_header_size': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_safetensors_parse': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_safetensors_free': (None, [_c.c_void_p]),
+    'fsdpturbo_safetensors_to_json': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_safetensors_read_plan_new': (_c.c_int32, [_c.POINTER(_c.c_void_p), _c.c_size_t, _c.POINTER(_c.c_char_p), _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(fsdpturbo_placement_t), _c.c_uint64, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_read_plan_free': (None, [_c.c_void_p]),
+    'fsdpturbo_read_plan_ranges': (_c.c_int32, [_c.c_void_p, _c.POINTER(fsdpturbo_byte_range_t), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_read_plan_local_shape': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_read_plan_local_bytes': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_read_plan_dtype': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_spec_register': (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_char_p), _c.c_size_t, _c.POINTER(_c.c_char_p), _c.c_size_t]),
     'fsdpturbo_spec_to_json': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_state_initialize': (_c.c_int32, [_c.c_void_p]),

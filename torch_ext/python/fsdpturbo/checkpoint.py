@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from .progress import progress
+from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
                                   no_dist=not dist.is_initialized())
                    for (name, state), group in zip(states.items(), groups)]
         return AsyncCheckpoint(path, futures, finish)
-    with progress(total, f"saving {path}") as bar, _on_every_rank("saving the checkpoint", path):
+    with Progress(total, f"saving {path}") as bar, _on_every_rank("saving the checkpoint", path):
         for name, state in states.items():
             dcp.save(state, checkpoint_id=os.path.join(partial, name), planner=_SavePlanner(bar),
                      no_dist=not dist.is_initialized())
@@ -331,7 +331,7 @@ def _read(parts, path):
     are read under one progress bar."""
     for state, directory, what in parts:
         check_against(state, directory, what)
-    with progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
+    with Progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
             _on_every_rank("loading the checkpoint", path):
         for state, directory, _ in parts:
             dcp.load(state, checkpoint_id=directory, planner=_LoadPlanner(bar), no_dist=not dist.is_initialized())

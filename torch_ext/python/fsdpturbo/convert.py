@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, F
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import hf_layout
-from .progress import progress
+from .progress import Progress
 from .weights import checkpoint_files
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def dcp_to_hf(checkpoint, out, *, config=None, max_shard_bytes=4 << 30, per_expe
     if config:
         _copy_hf_files(config, out)
     tensors, held = {}, (None, None)
-    with progress(sum(e[3] for e in entries), f"converting {source.directory} to {out}") as bar:
+    with Progress(sum(e[3] for e in entries), f"converting {source.directory} to {out}") as bar:
         for file_name, file_entries in zip(file_names, files):
             with open(os.path.join(out, file_name), "wb") as f:
                 f.write(_header(file_entries))
@@ -244,7 +245,7 @@ def hf_to_dcp(hf_dir, out, *, per_expert=True, check=True):
     state = {name: meta(name) for name in sorted(sources)}
     tensors = {}
     directory = os.path.join(out, "model")
-    with progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
+    with Progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
         # A file per tensor: DCP's writer holds every tensor of a file until the file is done.
         dcp.save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=False, thread_count=1),
                  planner=_LazySavePlanner(produce, bar, tensors), no_dist=True)
@@ -274,13 +275,15 @@ def verify(out):
     if found != set(expected):
         raise ValueError(f"fsdpturbo convert: {out!r} holds other tensors than its manifest: missing "
                          f"{sorted(set(expected) - found)[:8]}, unexpected {sorted(found - set(expected))[:8]}")
-    with progress(len(expected), f"verifying {out}", unit="tensor") as bar:
+    total = sum(math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize for e in expected.values())
+    with Progress(total, f"verifying {out}") as bar:
         for name in sorted(expected):
-            got = _entry(read(name))
+            tensor = read(name)
+            got = _entry(tensor)
             if got != expected[name]:
                 raise ValueError(f"fsdpturbo convert: {name} in {out!r} does not match the manifest: read {got}, "
                                  f"written {expected[name]}")
-            bar.update()
+            bar.update(tensor.numel() * tensor.element_size())
     return len(expected)
 
 

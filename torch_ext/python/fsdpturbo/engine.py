@@ -17,6 +17,7 @@ from .consistency import check_same_on_every_rank, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
 from .ep import EPPlanConfig, expert_parallelize_modules
+from .layers import decoder_layers
 from .norm import warmup_grad_norm
 from .plan import resolve_plan
 from .spec import FSDPTurboEPModelSpec
@@ -34,20 +35,6 @@ def _default_device(device_type):
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
-
-
-def decoder_layers(model):
-    """The modules the outer FSDP2 wraps one by one: instances of the model's
-    `_no_split_modules` classes (Hugging Face's decoder layers), else the children of a
-    ModuleList named `layers` or `blocks`."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in classes]
-    if layers:
-        return layers
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] in ("layers", "blocks"):
-            return list(module)
-    return []
 
 
 def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_after_forward=True,

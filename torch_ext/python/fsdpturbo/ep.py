@@ -8,12 +8,13 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from . import dispatch
+from . import dispatch, router_replay
 from .consistency import check_same_on_every_rank, model_structure
 from .dispatch import get_dispatcher_fn  # noqa: F401  (the seed's name; fsdp_turbo's compatibility path)
 from .dispatch.experts import GradientReduction, expert_weight  # noqa: F401  (where the forward reads them)
 from .dispatch.pipeline import fixed_router_for_debug, normalize_expert_args  # noqa: F401  (the seed's names)
 from .efsdp import gradient_divide_factor, replica_groups
+from .layers import decoder_layers
 from .pattern import match_modules
 
 DISPATCHERS = tuple(dispatch.DISPATCHERS)
@@ -54,7 +55,11 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     efsdp = 1 they are dp× too large): each backward sums an expert weight's gradient over the
     other dims of `ep_mesh`'s root mesh (edp, expert_cp; efsdp too if it is > 1 and EFSDP is
     never applied) and divides it by `plan.gradient_divide_factor` (None: the world size).
-    `expert_fully_shard_modules`, when it follows, takes that over (no double reduction)."""
+    `expert_fully_shard_modules`, when it follows, takes that over (no double reduction).
+
+    The routers beside the expert modules (Qwen3 / Qwen3.5 MoE) record their routes for
+    activation checkpointing and `fsdpturbo.router_replay` (the recomputation takes the first
+    forward's routes)."""
     dispatch.check_implemented(plan.dispatcher)
     dispatcher = getattr(plan.dispatcher, "__qualname__", plan.dispatcher)
     check_same_on_every_rank({"ep size": ep_mesh.size(), "model structure": model_structure(model),
@@ -64,7 +69,9 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router)
     reduction = GradientReduction(tuple(replica_groups(ep_mesh)), gradient_divide_factor(plan))
-    for _, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
+    names = []
+    for name, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
+        names.append(name)
         num_experts = module.num_experts if hasattr(module, "num_experts") else len(module)
         if num_experts % ep_size:
             raise AssertionError(f"Number of experts({num_experts}) is not divisible by ep size({ep_size}).")
@@ -79,4 +86,5 @@ def expert_parallelize_modules(model, ep_mesh, plan):
         distribute_expert_weights(module, ep_mesh)
         module.ep_gradient_reduction = reduction
         dispatch.install(module, forward)
+    router_replay.install(model, names, decoder_layers(model))
     return model

@@ -209,6 +209,32 @@ def _reject_partial(placements, triples, where, what):
             raise ValueError(f"{where}: placements[{k}] is {placements[k]!r}: {what}")
 
 
+def _load_placement(param, where):
+    """(mesh, placements, triples, coordinate) of a DTensor that a full value is loaded into;
+    Partial placements and non-default shard orders are refused; the coordinate is None on a
+    rank outside the mesh (it holds nothing)."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    triples = _triples(placements, param.ndim, where)
+    _reject_partial(placements, triples, where, "loading a full value into a Partial placement would make "
+                    "the DTensor's value the sum of the full value over the mesh; load into a "
+                    "Shard or Replicate placement and redistribute")
+    _check_shard_order(param, where)
+    return mesh, placements, triples, mesh.get_coordinate()
+
+
+def _slice_target(local, shape, where, slice_of):
+    """The part of the local tensor `local` that receives this rank's slice of shape `shape`:
+    `local` itself, or its leading block when it is padded beyond the slice (the padding is
+    zeroed: it must not stay uninitialised). `slice_of` describes the slice in the error."""
+    if tuple(local.shape) == tuple(shape):
+        return local
+    if local.ndim == len(shape) and all(a >= b for a, b in zip(local.shape, shape)):
+        local.zero_()
+        return local[tuple(slice(0, n) for n in shape)]
+    raise ValueError(f"{where}: the local tensor has shape {tuple(local.shape)} but this rank's slice "
+                     f"{slice_of} has shape {tuple(shape)}")
+
+
 def copy_weights_(param, full_tensor):
     """Loads the full (checkpoint) value `full_tensor` into `param`, the seed's `_copy_weights`
     made DTensor-exact. The value is cast to `param`'s dtype. A plain tensor (or nn.Parameter)
@@ -232,27 +258,13 @@ def copy_weights_(param, full_tensor):
         if not isinstance(param, DTensor):
             param.copy_(full_tensor)
             return param
-        mesh, placements = param.device_mesh, tuple(param.placements)
-        triples = _triples(placements, full_tensor.ndim, where)
-        _reject_partial(placements, triples, where, "loading a full value into a Partial placement would make "
-                        "the DTensor's value the sum of the full value over the mesh; load into a "
-                        "Shard or Replicate placement and redistribute")
-        _check_shard_order(param, where)
-        coordinate = mesh.get_coordinate()
+        mesh, placements, triples, coordinate = _load_placement(param, where)
         if coordinate is None:  # this rank holds nothing of the DTensor (like the seed)
             return param
         mesh_shape = tuple(mesh.shape)
         shape, _ = _local_shape(full_tensor.shape, mesh_shape, coordinate, triples)
-        local = param.to_local()
-        if tuple(local.shape) == shape:
-            target = local
-        elif local.ndim == len(shape) and all(a >= b for a, b in zip(local.shape, shape)):
-            local.zero_()  # padded beyond the slice: the padding must not stay uninitialised
-            target = local[tuple(slice(0, n) for n in shape)]
-        else:
-            raise ValueError(f"{where}: the local tensor has shape {tuple(local.shape)} but this rank's "
-                             f"slice (mesh {mesh_shape}, coordinate {tuple(coordinate)}, placements "
-                             f"{placements}) of {tuple(full_tensor.shape)} has shape {shape}")
+        target = _slice_target(param.to_local(), shape, where, f"(mesh {mesh_shape}, coordinate {tuple(coordinate)}, "
+                               f"placements {placements}) of {tuple(full_tensor.shape)}")
         _copy_slice(target, full_tensor, mesh_shape, coordinate, triples, shape)
     return param
 

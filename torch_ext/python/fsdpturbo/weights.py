@@ -1,22 +1,28 @@
 """Weights: building a model with parameters on meta, loading a Hugging Face safetensors
-checkpoint into a sharded model (every parameter through `copy_weights_`, DTensor-exact), and
-gathering and saving the full state dict back in Hugging Face's format.
+checkpoint into a sharded model (shard-on-read: each rank reads only the bytes of its own
+DTensor slices, the slice `copy_weights_` takes, planned by the Rust core), and gathering and
+saving the full state dict back in Hugging Face's format.
 
 Checkpoint names are the model's parameter names, or for fused expert weights
 (`…experts.gate_up_proj` [E, 2I, H], `…experts.down_proj` [E, H, I]) the per-expert layout
 Hugging Face writes (`…experts.{e}.gate_proj.weight` then `.up_proj.weight` concatenated on
 dim 0; `…experts.{e}.down_proj.weight`), the layout of the Qwen MoE families.
 """
+import bisect
 import contextlib
+import ctypes
 import json
 import logging
+import math
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .placement import copy_weights_, gather_full
+from . import hf_layout
+from .placement import _load_placement, _slice_target, copy_weights_, gather_full
+from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -64,61 +70,291 @@ def checkpoint_files(path):
     return files
 
 
-class _Checkpoint:
+_TORCH_DTYPES = {  # safetensors dtype names -> torch dtype attribute names (those this torch has)
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "C64": "complex64", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+_CHUNK = 64 << 20  # bytes per read call (progress granularity; Linux caps one read below 2 GiB)
+
+
+def _torch_dtype(name, where):
+    dtype = getattr(torch, _TORCH_DTYPES.get(name, ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: dtype {name} has no torch dtype in torch {torch.__version__}")
+    return dtype
+
+
+def _file_error(path, err):
+    """The library's error about checkpoint file `path`, the same class, naming the file."""
+    from ._native import FsdpturboError
+
+    message = f"fsdpturbo: checkpoint file {path!r}: {err}"
+    return type(err)(message, err.status) if isinstance(err, FsdpturboError) else type(err)(message)
+
+
+class _File:
+    """One safetensors file: its header, parsed and validated by the Rust core (offsets that tile
+    the data section, sizes that match shapes, a file as long as its header says), and an open
+    descriptor to `pread` from."""
+
     def __init__(self, path):
-        from safetensors import safe_open
+        from . import _native
 
-        self.files = [safe_open(f, framework="pt") for f in checkpoint_files(path)]
-        self.where = {key: f for f in self.files for key in f.keys()}
+        self.path, self.fd, self.handle = path, os.open(path, os.O_RDONLY), ctypes.c_void_p()
+        try:
+            size = os.fstat(self.fd).st_size
+            if hasattr(os, "posix_fadvise"):  # no read-ahead: it would read the other ranks' bytes too
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            prefix = os.pread(self.fd, 8, 0)
+            need = ctypes.c_uint64(0)
+            _native.check(_native.lib.fsdpturbo_safetensors_header_size(prefix, len(prefix), ctypes.byref(need)))
+            header = os.pread(self.fd, need.value, 0)
+            # A short header is reported by the parser (it names the bytes needed and given).
+            _native.check(_native.lib.fsdpturbo_safetensors_parse(header, len(header), size,
+                                                                  ctypes.byref(self.handle)))
+            info = json.loads(_native.string_out(_native.lib.fsdpturbo_safetensors_to_json, self.handle))
+        except _native.FsdpturboError as e:
+            self.close()
+            raise _file_error(path, e) from None
+        except BaseException:
+            self.close()
+            raise
+        self.tensors = {t["name"]: t for t in info["tensors"]}
+        self.data_start = info["data_start"]
+        # Absolute byte ranges of the tensors in file order, to name the tensor of a failed read.
+        self._begins = [self.data_start + t["data_offsets"][0] for t in info["tensors"]]
+        self._names = [t["name"] for t in info["tensors"]]
+
+    def tensor_at(self, offset):
+        i = bisect.bisect_right(self._begins, offset) - 1
+        return self._names[max(i, 0)] if self._names else "?"
+
+    def close(self):
+        from . import _native
+
+        if self.handle:
+            _native.lib.fsdpturbo_safetensors_free(self.handle)
+            self.handle = ctypes.c_void_p()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _Checkpoint:
+    """The files of a checkpoint and the reads of each model tensor's local slice."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.files = []
+        try:
+            for f in checkpoint_files(path):
+                self.files.append(_File(f))
+        except BaseException:
+            self.close()
+            raise
+        self.where = {key: i for i, f in enumerate(self.files) for key in f.tensors}
+        self._handles = (ctypes.c_void_p * max(len(self.files), 1))(*[f.handle for f in self.files])
         self.used = set()
+        self.bytes_read = 0
 
-    def get(self, key):
-        self.used.add(key)
-        return self.where[key].get_tensor(key)
+    def close(self):
+        for f in self.files:
+            f.close()
 
     def sources(self, name, num_rows):
         """The keys holding model tensor `name`: its own key (a str), or per expert the keys
         concatenated into its row (the per-expert layout); None when the checkpoint has neither."""
         if name in self.where:
+            self.used.add(name)
             return name
-        prefix, _, leaf = name.rpartition(".")
-        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(leaf)
-        if parts is None or not num_rows:
+        keys = hf_layout.per_expert_keys(name, num_rows)
+        if keys is None or not all(k in self.where for row in keys for k in row):
             return None
-        keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(num_rows)]
-        return keys if all(k in self.where for row in keys for k in row) else None
+        self.used.update(k for row in keys for k in row)
+        return keys
 
-    def tensor(self, sources):
+    def plan(self, sources, global_shape, mesh_shape=(), rank=0, triples=()):
+        """The reads of the local slice of the tensor made of `sources`: (torch dtype, local
+        shape, [(file, offset, length, dst)]), from the Rust core (DTensor-exact slicing)."""
+        from . import _abi, _native
+
+        c = ctypes
+        names = [sources] if isinstance(sources, str) else [k for row in sources for k in row]
+        parts_per_row = 0 if isinstance(sources, str) else len(sources[0])
+        encoded = (c.c_char_p * len(names))(*[n.encode() for n in names])
+        shape = (c.c_uint64 * max(len(global_shape), 1))(*global_shape)
+        mesh = (c.c_uint64 * max(len(mesh_shape), 1))(*mesh_shape)
+        P = _abi.fsdpturbo_placement_t
+        placements = (P * max(len(mesh_shape), 1))(*[P(*triples[i: i + 3]) for i in range(0, len(triples), 3)])
+        handle = c.c_void_p()
+        lib = _native.lib
+        try:
+            _native.check(lib.fsdpturbo_safetensors_read_plan_new(
+                self._handles, len(self.files), encoded, len(names), parts_per_row, shape, len(global_shape), mesh,
+                len(mesh_shape), placements, rank, c.byref(handle)))
+            try:
+                dtype = _native.string_out(lib.fsdpturbo_read_plan_dtype, handle)
+                local_shape = _native.u64_out(lib.fsdpturbo_read_plan_local_shape, handle, capacity=8)
+                n = c.c_size_t(0)
+                status = lib.fsdpturbo_read_plan_ranges(handle, None, 0, c.byref(n))
+                if status != _native.BUFFER_TOO_SMALL:
+                    _native.check(status)
+                ranges = (_abi.fsdpturbo_byte_range_t * max(n.value, 1))()
+                _native.check(lib.fsdpturbo_read_plan_ranges(handle, ranges, n.value, c.byref(n)))
+            finally:
+                lib.fsdpturbo_read_plan_free(handle)
+        except _native.FsdpturboError as e:
+            raise _file_error(self.files[self.where[names[0]]].path, e) from None
+        reads = [(r.file, r.offset, r.length, r.dst_offset) for r in ranges[: n.value]]
+        return _torch_dtype(dtype, f"fsdpturbo: tensor {names[0]!r}"), tuple(local_shape), reads
+
+    def read(self, reads, buffer, progress=None):
+        """Fills `buffer` (a contiguous CPU tensor of the plan's local shape and dtype) by
+        `pread`ing `reads`; a read that ends before its bytes is an error naming file and tensor."""
+        nbytes = buffer.numel() * buffer.element_size()
+        if not nbytes:
+            return buffer
+        view = memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
+        for file, offset, length, dst in reads:
+            f = self.files[file]
+            done = 0
+            while done < length:
+                n = os.preadv(f.fd, [view[dst + done: dst + min(length, done + _CHUNK)]], offset + done)
+                if n <= 0:
+                    raise OSError(f"fsdpturbo: checkpoint file {f.path!r}: tensor {f.tensor_at(offset + done)!r}: "
+                                  f"the file ends at byte {os.fstat(f.fd).st_size} but the tensor's bytes run to "
+                                  f"{offset + length}: the file is truncated (or shrank while loading)")
+                done += n
+                if progress is not None:
+                    progress.update(n)
+            self.bytes_read += length
+        return buffer
+
+    def full(self, sources):
+        """The whole tensor made of `sources` (a plain read of every byte)."""
+        dtype, shape, reads = self.plan(sources, self._global_shape(sources))
+        return self.read(reads, torch.empty(shape, dtype=dtype))
+
+    def _global_shape(self, sources):
+        info = lambda k: self.files[self.where[k]].tensors[k]  # noqa: E731
         if isinstance(sources, str):
-            return self.get(sources)
-        return torch.stack([torch.cat([self.get(k) for k in row]) for row in sources])
+            return tuple(info(sources)["shape"])
+        first = info(sources[0][0])["shape"]
+        return (len(sources), sum(info(k)["shape"][0] for k in sources[0]), *first[1:])
 
 
-def load_hf_weights(model, path, copy_fn=copy_weights_):
+def _local_target(param, where):
+    """(the tensor to fill, mesh shape, mesh rank, placement triples) of a parameter or buffer; the
+    tensor is None on a rank outside a DTensor's mesh (it holds nothing)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.data if isinstance(param, nn.Parameter) else param, (), 0, []
+    mesh, _, triples, coordinate = _load_placement(param, where)
+    if coordinate is None:
+        return None, (), 0, []
+    mesh_shape = tuple(mesh.shape)
+    rank = 0
+    for c, n in zip(coordinate, mesh_shape):
+        rank = rank * n + c
+    return param.to_local(), mesh_shape, rank, triples
+
+
+def _fill(checkpoint, local, dtype, shape, reads, where, progress):
+    """Reads this rank's slice into `local` (the local tensor): straight into its storage when it
+    is a contiguous CPU tensor of the checkpoint's dtype, else through a buffer (cast, moved)."""
+    target = _slice_target(local, shape, where, "of the checkpoint tensor")
+    if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+        checkpoint.read(reads, target, progress)
+    else:
+        target.copy_(checkpoint.read(reads, torch.empty(shape, dtype=dtype), progress))
+
+
+def load_hf_weights(model, path, copy_fn=None):
     """Loads the checkpoint at `path` (a safetensors file or a Hugging Face model directory)
-    into `model`'s parameters and persistent buffers, each through `copy_fn(param, full)`
-    (default `copy_weights_`: this rank's DTensor slice, cast to the parameter's dtype).
-    Every parameter must be found (KeyError listing the missing ones, raised on every rank
-    before anything is copied); checkpoint keys the model does not use are logged. Returns
-    the names loaded."""
+    into `model`'s parameters and persistent buffers. Shard-on-read: each rank reads only the
+    bytes of its own DTensor slices (exactly `copy_weights_`'s slice: torch DTensor's, uneven
+    and empty shards and _StridedShard included, planned by the Rust core, per-expert keys
+    included) with `pread` straight into the local tensor, cast to the parameter's dtype where
+    it differs; plain tensors are read whole. With `copy_fn(param, full)` every tensor is read
+    whole instead and handed to it (a custom slicing). Every parameter must be found (KeyError
+    listing the missing ones, raised on every rank before anything is read); checkpoint keys the
+    model does not use are logged; a corrupt or truncated file is an error naming the file and
+    the tensor. Rank 0 shows a progress bar on a terminal when the load takes more than 3 s.
+    Returns the names loaded."""
     checkpoint = _Checkpoint(path)
+    try:
+        return _load(model, path, checkpoint, None if copy_fn is copy_weights_ else copy_fn)
+    finally:
+        checkpoint.close()
+
+
+def _load(model, path, checkpoint, copy_fn):
     params = [(name, p, checkpoint.sources(name, p.shape[0] if p.dim() else 0)) for name, p in model.named_parameters()]
     missing = [name for name, _, sources in params if sources is None]
     if missing:
         raise KeyError(f"fsdpturbo: the checkpoint {os.fspath(path)!r} holds no value for the parameters "
                        f"{missing}")
-    loaded = []
-    for name, param, sources in params:
-        copy_fn(param, checkpoint.tensor(sources))
-        loaded.append(name)
     persistent = {n for n, _ in _persistent_buffers(model)}
-    for name, buffer in model.named_buffers():
-        if name in persistent and name in checkpoint.where:
-            copy_fn(buffer, checkpoint.get(name))
-            loaded.append(name)
+    params += [(name, b, checkpoint.sources(name, 0)) for name, b in model.named_buffers()
+               if name in persistent and name in checkpoint.where]
+    if copy_fn is not None:
+        for name, tensor, sources in params:
+            copy_fn(tensor, checkpoint.full(sources))
+        _log_unused(checkpoint)
+        return [name for name, _, _ in params]
+    # Plan every read first: a tensor that does not fit fails on every rank before anything is read.
+    planned = []
+    for name, tensor, sources in params:
+        where = f"fsdpturbo.load_hf_weights: {name}"
+        local, mesh_shape, rank, triples = _local_target(tensor, where)
+        if local is None:
+            continue
+        planned.append((name, local, checkpoint.plan(sources, tuple(tensor.shape), mesh_shape, rank, triples)))
+    total = sum(math.prod(shape) * dtype.itemsize for _, _, (dtype, shape, _) in planned)
+    with torch.no_grad(), Progress(total, "fsdpturbo: loading weights") as progress:
+        for name, local, (dtype, shape, reads) in planned:
+            _fill(checkpoint, local, dtype, shape, reads, f"fsdpturbo.load_hf_weights: {name}", progress)
+    _log_unused(checkpoint)
+    return [name for name, _, _ in params]
+
+
+def _log_unused(checkpoint):
     unused = sorted(set(checkpoint.where) - checkpoint.used)
     if unused:
         logger.info("fsdpturbo: %d checkpoint tensors are not used by the model: %s", len(unused), unused[:8])
+
+
+def _full_read_reference(model, path):
+    """The loader before shard-on-read, kept only as the reference of the benchmark
+    (benches/shard_read.py) and of the equality test: `safe_open` on every file, every full
+    tensor read on every rank (per-expert keys stacked), each through `copy_weights_`."""
+    from safetensors import safe_open
+
+    files = [safe_open(f, framework="pt") for f in checkpoint_files(path)]
+    where = {key: f for f in files for key in f.keys()}
+    probe = _Checkpoint.__new__(_Checkpoint)  # its `sources` rule, over the same names
+    probe.where, probe.used = where, set()
+
+    def tensor(sources):
+        if isinstance(sources, str):
+            return where[sources].get_tensor(sources)
+        return hf_layout.stack(sources, lambda key: where[key].get_tensor(key))
+
+    loaded = []
+    for name, param in model.named_parameters():
+        sources = probe.sources(name, param.shape[0] if param.dim() else 0)
+        if sources is None:
+            raise KeyError(f"fsdpturbo: the checkpoint {os.fspath(path)!r} holds no value for {name}")
+        copy_weights_(param, tensor(sources))
+        loaded.append(name)
+    persistent = {n for n, _ in _persistent_buffers(model)}
+    for name, buffer in model.named_buffers():
+        if name in persistent and name in where:
+            copy_weights_(buffer, where[name].get_tensor(name))
+            loaded.append(name)
     return loaded
 
 

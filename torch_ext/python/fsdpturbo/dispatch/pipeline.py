@@ -3,7 +3,8 @@
     prepare → counts → route → dispatch → expert compute → combine
 
 `prepare` normalises the router's output; `counts` counts each slice's rows per global expert
-and all-gathers them over the EP group (ids outside [0, E) fail on every rank: no rank hangs);
+and all-gathers them over the EP group (ids outside [0, E) fail on every rank: no rank hangs;
+this rank's counts go to `fsdpturbo.expert_stats`);
 a `Strategy` turns the gathered counts into routing metadata (`route`, split sizes on the host
 before any all-to-all: DESIGN §4.5), sends the rows to their experts' ranks (`dispatch`),
 regroups them by local expert around the expert compute (`compute`, fsdpturbo.dispatch.experts)
@@ -14,6 +15,8 @@ experts run, so the second all-to-all is in flight meanwhile.
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from .. import expert_stats
 
 
 def normalize_expert_args(top_k_index, top_k_weights):
@@ -156,6 +159,7 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
         parts = [(hidden[a:b], index[a:b], weights[a:b]) for a, b in bounds]
     counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
     check_ids(index.reshape(-1), top_k, num_experts, counts, ep_group)
+    expert_stats.record(module, counts[dist.get_rank(ep_group), :, :num_experts].sum(0))
     routes = [strategy.route(module, part[1], counts[:, i, :num_experts], kept[i], ep_group)
               for i, part in enumerate(parts)]
     received = [strategy.dispatch(part[0], route, ep_group) for part, route in zip(parts, routes)]

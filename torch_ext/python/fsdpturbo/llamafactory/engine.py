@@ -98,7 +98,10 @@ class FSDP2Engine:
 
     def shard_model(self, model):
         model = self.prepare_model(model)
-        materialize(model, self._device(), self.weights, copy_fn=self._copy_weights)
+        # The default `_copy_weights` is `copy_weights_`'s slice, which the loader reads shard by shard;
+        # an override gets every full tensor.
+        custom = type(self)._copy_weights is not FSDP2Engine._copy_weights
+        materialize(model, self._device(), self.weights, copy_fn=self._copy_weights if custom else None)
         self._warmup_grad_norm(model)
         return model
 

@@ -1,0 +1,109 @@
+"""Expert-load statistics: how many tokens each expert of every EP module received.
+
+Every dispatcher counts each rank's rows per expert before its all-to-all (the counts the
+split sizes come from). `record` adds this rank's counts into a per-module tensor on the
+device — no host sync, no collective — and skips the forward that activation checkpointing
+re-runs inside backward, so a recomputed layer is not counted twice. `expert_load` then sums the
+tensors of all modules over every rank in one all-reduce: the tokens routed to each expert over
+the global batch (every EP and DP rank, every micro-batch) since the last reset, the same on
+every rank.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["expert_load", "expert_load_table", "load_summary", "record"]
+
+_COUNTS = "ft_expert_load"
+
+
+def _in_backward():
+    """True while autograd runs a backward: the forward running now is a recomputation
+    (activation checkpointing, reentrant or not)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def record(module, local_counts):
+    """Adds this rank's rows per global expert [E] (int64, on the device) to `module`'s tally."""
+    if _in_backward():
+        return
+    tally = getattr(module, _COUNTS, None)
+    if tally is None or tally.device != local_counts.device:
+        setattr(module, _COUNTS, local_counts.detach().to(torch.int64).clone())
+    else:
+        tally.add_(local_counts.detach())
+
+
+def _ep_modules(model):
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "num_global_experts")]
+
+
+def expert_load(model, *, reset=True, group=None):
+    """{EP module name: int64 tensor [E] on the CPU}: tokens routed to each expert of the module
+    (a token counts once per expert of its top-k) since the last reset, summed over every rank
+    of `group` (default: the world) in one all-reduce. The same on every rank; collective.
+    `reset`: start the next count from zero."""
+    modules = _ep_modules(model)
+    if not modules:
+        raise ValueError("fsdpturbo.expert_load: the model has no expert-parallel module (expert "
+                         "parallelism with ep_size > 1 installs them; with ep_size 1 the experts run unchanged)")
+    device = next((getattr(m, _COUNTS).device for _, m in modules if hasattr(m, _COUNTS)), None)
+    if device is None:
+        device = next(model.parameters()).device
+        if isinstance(device, torch.device) and device.type == "meta":
+            device = torch.device("cpu")
+    sizes = [m.num_global_experts for _, m in modules]
+    flat = torch.cat([getattr(m, _COUNTS, None) if hasattr(m, _COUNTS)
+                      else torch.zeros(e, dtype=torch.int64, device=device) for (_, m), e in zip(modules, sizes)])
+    flat = flat.to(device)
+    if dist.is_initialized():
+        dist.all_reduce(flat, group=group)
+    if reset:
+        for _, m in modules:
+            if hasattr(m, _COUNTS):
+                getattr(m, _COUNTS).zero_()
+    return dict(zip((name for name, _ in modules), flat.cpu().split(sizes)))
+
+
+def load_summary(loads):
+    """Figures a trainer can log, from `expert_load`'s result: per module `{name}/max_over_mean`
+    and `{name}/cv` (coefficient of variation), and over all modules `tokens`, `max_over_mean`
+    (the worst module's), `cv` (the mean) and `idle_experts` (experts that got no token)."""
+    out, ratios, cvs, idle, tokens = {}, [], [], 0, 0
+    for name, load in loads.items():
+        counts = load.double()
+        mean = counts.mean().item()
+        ratio = counts.max().item() / mean if mean else 0.0
+        cv = counts.std(unbiased=False).item() / mean if mean else 0.0
+        out[f"{name}/max_over_mean"], out[f"{name}/cv"] = ratio, cv
+        ratios.append(ratio)
+        cvs.append(cv)
+        idle += int((load == 0).sum())
+        tokens += int(load.sum())
+    out.update(tokens=tokens, max_over_mean=max(ratios, default=0.0),
+               cv=sum(cvs) / len(cvs) if cvs else 0.0, idle_experts=idle)
+    return out
+
+
+_SHADES = " ░▒▓█"
+
+
+def expert_load_table(loads, *, width=None):
+    """A heat map to print (layers down, experts across): each cell shades an expert's load
+    relative to twice its layer's mean (full block: ≥ 2× the mean; blank: idle), with each
+    layer's max/mean at the end of its row. `width` caps the experts shown (neighbours merged)."""
+    lines = []
+    label = max((len(n) for n in loads), default=0)
+    for name, load in loads.items():
+        counts = load.double()
+        if width and counts.numel() > width:
+            group = math.ceil(counts.numel() / width)
+            counts = torch.nn.functional.pad(counts, (0, -counts.numel() % group)).view(-1, group).sum(1)
+        mean = counts.mean().item()
+        levels = (counts / (2 * mean) * (len(_SHADES) - 1)).ceil().clamp(0, len(_SHADES) - 1) if mean else \
+            torch.zeros_like(counts)
+        cells = "".join(_SHADES[int(v)] for v in levels)
+        ratio = counts.max().item() / mean if mean else 0.0
+        lines.append(f"{name:<{label}} |{cells}| max/mean {ratio:.2f}")
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ use super::error::FfiError;
 use super::error::last_error_message;
 use super::handle::{
     arg_ref, arg_slice, check_data, check_disjoint, check_struct_size, free_handle, into_handle, invalid,
-    write_out,
+    out_array, write_array, write_out,
 };
 use super::norm::{
     FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
@@ -189,13 +189,8 @@ pub extern "C" fn fsdpturbo_nccl_version(out_version: *mut i32) -> i32 {
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_nccl_unique_id(out_id: *mut u8) -> i32 {
     boundary(|| {
-        if out_id.is_null() {
-            return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "argument `out_id` must not be NULL"));
-        }
-        let id = unique_id()?;
-        // SAFETY: the caller provides FSDPTURBO_NCCL_UNIQUE_ID_BYTES writable bytes.
-        unsafe { std::ptr::copy_nonoverlapping(id.as_ptr(), out_id, id.len()) };
-        Ok(())
+        out_array(out_id, NCCL_UNIQUE_ID_BYTES, "out_id")?;
+        write_array(out_id, "out_id", &unique_id()?)
     })
 }
 

@@ -229,8 +229,10 @@ typedef int32_t (*fsdpturbo_host_all_to_all_v_fn)(void *user,
 
 // A process group lent through callbacks over host memory (fsdpturbo_comm_host_new).
 // `all_reduce` is required; `all_gather`, `reduce_scatter` (same signature as all_reduce: rank r
-// receives the reduction of every rank's r-th block of `count`) and `all_to_all_v` may be NULL
-// (calling them is then an error). `user` is passed to every callback.
+// receives the reduction of every rank's r-th block of `count`) and `all_to_all_v` may be NULL:
+// fsdpturbo_comm_all_gather, fsdpturbo_comm_reduce_scatter and fsdpturbo_comm_all_to_all_v then
+// fail with FSDPTURBO_ERR_UNAVAILABLE naming the missing callback. `user` is passed to every
+// callback.
 typedef struct {
   size_t struct_size;
   size_t rank;
@@ -478,8 +480,8 @@ void fsdpturbo_comm_free(fsdpturbo_comm_t *comm);
 int32_t fsdpturbo_comm_rank(const fsdpturbo_comm_t *comm, size_t *out_rank, size_t *out_world_size);
 
 // All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
-// `send` into `recv` (may be equal), in the communicator's memory (device memory ordered on
-// `stream` for NCCL; host memory otherwise, where `stream` is ignored).
+// `send` into `recv` (may be equal, must not overlap otherwise), in the communicator's memory
+// (device memory ordered on `stream` for NCCL; host memory otherwise, where `stream` is ignored).
 int32_t fsdpturbo_comm_all_reduce(const fsdpturbo_comm_t *comm,
                                   const void *send,
                                   void *recv,
@@ -487,6 +489,30 @@ int32_t fsdpturbo_comm_all_reduce(const fsdpturbo_comm_t *comm,
                                   int32_t dtype,
                                   int32_t op,
                                   void *stream);
+
+// All-gather: `recv` (`count` × world_size elements) receives every rank's `count` elements of
+// `send`, in rank order (FSDPTURBO_DTYPE_* `dtype`; buffers in the communicator's memory and on
+// `stream` as for fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host
+// communicator made without the `all_gather` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
+int32_t fsdpturbo_comm_all_gather(const fsdpturbo_comm_t *comm,
+                                  const void *send,
+                                  void *recv,
+                                  size_t count,
+                                  int32_t dtype,
+                                  void *stream);
+
+// Reduce-scatter: rank r's `recv` (`count` elements) receives the reduction (FSDPTURBO_REDUCE_*
+// `op`) over ranks of block r of `send` (`count` × world_size elements; FSDPTURBO_DTYPE_*
+// `dtype`; buffers in the communicator's memory and on `stream` as for
+// fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host communicator made
+// without the `reduce_scatter` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
+int32_t fsdpturbo_comm_reduce_scatter(const fsdpturbo_comm_t *comm,
+                                      const void *send,
+                                      void *recv,
+                                      size_t count,
+                                      int32_t dtype,
+                                      int32_t op,
+                                      void *stream);
 
 // All-to-all-v: rank p gets `send_counts[p]` elements from `send + send_displs[p]` and this
 // rank receives `recv_counts[p]` elements at `recv + recv_displs[p]` (elements; world_size

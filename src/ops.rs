@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::config::py_list;
 use crate::error::{Error, ErrorKind, Result};
 
 /// An implementation id handed out by [`OpRegistry::register`]; never 0.
@@ -89,7 +90,7 @@ impl OpRegistry {
                 ErrorKind::NotFound,
                 format!(
                     "Operator '{op_name}' is not registered; registered operators: {}",
-                    quoted_list(self.ops.keys())
+                    py_list(self.ops.keys())
                 ),
             )
         })?;
@@ -106,7 +107,7 @@ impl OpRegistry {
                 format!(
                     "Operator '{op_name}' not available for device '{device_type}' and no CPU fallback \
                      exists; it is registered for {}",
-                    quoted_list(devices.keys())
+                    py_list(devices.keys())
                 ),
             )),
         }
@@ -123,11 +124,6 @@ pub fn fallback_warning(op_name: &str, device_type: &str) -> String {
     format!(
         "Operator '{op_name}' not available for device '{device_type}', falling back to CPU implementation"
     )
-}
-
-/// `['a', 'b']`, for names that passed validation (no quotes or escapes in them).
-fn quoted_list<'a>(names: impl Iterator<Item = &'a String>) -> String {
-    format!("[{}]", names.map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", "))
 }
 
 /// An operator name: `[A-Za-z_][A-Za-z0-9_.]*`, e.g. `grouped_matmul`.

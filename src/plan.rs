@@ -6,7 +6,7 @@
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
-use crate::config::{Dispatcher, DistConfig, FsdpImplementation};
+use crate::config::{Dispatcher, DistConfig, FsdpImplementation, py_list};
 use crate::error::{Error, ErrorKind, Result};
 use crate::pattern::PatternSet;
 use crate::spec::{ModelSpec, ModelTree, ParamInfo};
@@ -87,12 +87,6 @@ pub struct Memory {
 
 fn plan_error(message: String) -> Error {
     Error::new(ErrorKind::Plan, message)
-}
-
-/// A Python list repr of strings, as the seed's error texts print them.
-fn py_list(items: &[String]) -> String {
-    let quoted: Vec<String> = items.iter().map(|s| format!("'{s}'")).collect();
-    format!("[{}]", quoted.join(", "))
 }
 
 fn compile(patterns: &[String], source: &str) -> Result<PatternSet> {

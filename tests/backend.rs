@@ -1,9 +1,11 @@
-//! The shared run-time loader (src/backend/mod.rs) and the one-rank collective (src/comm.rs).
+//! The shared run-time loader (src/backend/mod.rs), the one-rank collective (src/comm/mod.rs) and
+//! the host-callback transport (src/comm/host.rs).
 
 use std::ffi::c_void;
 use std::path::PathBuf;
 
 use fsdpturbo::backend::{LibrarySpec, add_search_dirs, load};
+use fsdpturbo::comm::host::HostCallbacks;
 use fsdpturbo::comm::{AllToAllV, Collective, ReduceOp, SingleRank, Stream};
 use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
@@ -105,4 +107,122 @@ fn single_rank_collectives_copy() {
         short.check(2).unwrap_err().message.contains("`send_counts` has 0 entries; the group has 2 ranks")
     );
     assert_eq!(AllToAllV::packed(vec![3, 0, 2], vec![1, 1, 1]).send_displs, vec![0, 3, 3]);
+    let mut gathered = [0.0f32; 4];
+    unsafe {
+        one.all_gather(send.as_ptr().cast(), gathered.as_mut_ptr().cast(), 4, Dtype::F32, Stream::HOST)
+    }
+    .unwrap();
+    assert_eq!(gathered, send);
+    let mut scattered = [0.0f32; 4];
+    unsafe {
+        one.reduce_scatter(
+            send.as_ptr().cast(),
+            scattered.as_mut_ptr().cast(),
+            4,
+            Dtype::F32,
+            ReduceOp::Min,
+            Stream::HOST,
+        )
+    }
+    .unwrap();
+    assert_eq!(scattered, send);
+}
+
+/// Rank 1 of two, whose peer (rank 0) holds `[100, 200]` for every collective.
+fn host_rank_one(with_optional: bool) -> HostCallbacks {
+    let peer = [100.0f64, 200.0];
+    HostCallbacks {
+        rank: 1,
+        world_size: 2,
+        all_reduce: Box::new(|_, _, _, _, _| 3),
+        all_gather: with_optional.then(|| {
+            Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: Dtype| {
+                assert_eq!((n, d), (2, Dtype::F64));
+                let (s, r) = unsafe { (std::slice::from_raw_parts(s.cast::<f64>(), n), r.cast::<f64>()) };
+                let r = unsafe { std::slice::from_raw_parts_mut(r, 2 * n) };
+                r[..n].copy_from_slice(&peer);
+                r[n..].copy_from_slice(s);
+                0
+            }) as _
+        }),
+        reduce_scatter: with_optional.then(|| {
+            Box::new(move |s: *const c_void, r: *mut c_void, n: usize, d: Dtype, o: ReduceOp| {
+                assert_eq!((n, d, o), (2, Dtype::F64, ReduceOp::Sum));
+                let s = unsafe { std::slice::from_raw_parts(s.cast::<f64>(), 2 * n) };
+                let r = unsafe { std::slice::from_raw_parts_mut(r.cast::<f64>(), n) };
+                for i in 0..n {
+                    r[i] = s[n + i] + peer[i];
+                }
+                0
+            }) as _
+        }),
+        all_to_all_v: None,
+    }
+}
+
+#[test]
+fn host_callbacks_gather_scatter_and_name_what_is_missing() {
+    let comm = host_rank_one(true);
+    let mine = [1.0f64, 2.0];
+    let mut gathered = [0.0f64; 4];
+    unsafe {
+        comm.all_gather(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64, Stream::HOST)
+    }
+    .unwrap();
+    assert_eq!(gathered, [100.0, 200.0, 1.0, 2.0]);
+    let blocks = [9.0f64, 9.0, 1.0, 2.0];
+    let mut out = [0.0f64; 2];
+    unsafe {
+        comm.reduce_scatter(
+            blocks.as_ptr().cast(),
+            out.as_mut_ptr().cast(),
+            2,
+            Dtype::F64,
+            ReduceOp::Sum,
+            Stream::HOST,
+        )
+    }
+    .unwrap();
+    assert_eq!(out, [101.0, 202.0]);
+    let err = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable);
+    assert_eq!(err.message, "the embedder's all_reduce callback failed with status 3 on rank 1");
+
+    let bare = host_rank_one(false);
+    let err = unsafe {
+        bare.all_gather(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64, Stream::HOST)
+    }
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable);
+    assert_eq!(
+        err.message,
+        "this host communicator has no `all_gather` callback (`fsdpturbo_host_collective_t.all_gather` \
+         was NULL when it was made); pass one to fsdpturbo_comm_host_new to use all_gather"
+    );
+    let err = unsafe {
+        bare.reduce_scatter(
+            blocks.as_ptr().cast(),
+            out.as_mut_ptr().cast(),
+            2,
+            Dtype::F64,
+            ReduceOp::Sum,
+            Stream::HOST,
+        )
+    }
+    .unwrap_err();
+    assert!(
+        err.message.starts_with("this host communicator has no `reduce_scatter` callback"),
+        "{}",
+        err.message
+    );
+    let layout = AllToAllV::packed(vec![1, 1], vec![1, 1]);
+    let err = unsafe {
+        bare.all_to_all_v(mine.as_ptr().cast(), out.as_mut_ptr().cast(), &layout, Dtype::F64, Stream::HOST)
+    }
+    .unwrap_err();
+    assert!(
+        err.message.starts_with("this host communicator has no `all_to_all_v` callback"),
+        "{}",
+        err.message
+    );
 }

@@ -706,7 +706,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `local_shape` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `local_shape` is NULL but must hold 1 elements")
     );
     let st = fsdpturbo_local_shape_and_offset(
         g.as_ptr(),
@@ -720,7 +720,7 @@ fn c_abi_local_shape_and_offset() {
     );
     assert_eq!(
         (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `global_offset` must not be NULL")
+        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `global_offset` is NULL but must hold 1 elements")
     );
     // Zero lengths accept NULL: a scalar on an empty mesh.
     let st = fsdpturbo_local_shape_and_offset(

@@ -212,6 +212,11 @@ fn plan_errors_carry_the_seed_texts() {
     let dist = DistConfig { ep_size: 2, hook_modules: vec!["nothing.here".into()], ..DistConfig::default() };
     let err = resolve(&tree, &dist, &topology(4, 1, 2, None)).unwrap_err();
     assert_eq!(err.message, "[FSDP2] No module named ['nothing.here'].");
+    // Names print as Python's repr of the list: quotes and control characters escaped.
+    let dist =
+        DistConfig { ep_size: 2, hook_modules: vec!["it's".into(), "a\nb".into()], ..DistConfig::default() };
+    let err = resolve(&tree, &dist, &topology(4, 1, 2, None)).unwrap_err();
+    assert_eq!(err.message, r#"[FSDP2] No module named ["it's", 'a\nb']."#);
 
     let dist = DistConfig { ep_size: 2, fsdp_ignored_modules: vec!["{1,2}".into()], ..DistConfig::default() };
     let err = resolve(&tree, &dist, &topology(4, 1, 2, None)).unwrap_err();

@@ -153,11 +153,6 @@ impl Cublas {
         Err(Error::new(ErrorKind::Unavailable, format!("cuBLAS: {call} failed with status {status}")))
     }
 
-    /// Whether `cublasGemmGroupedBatchedEx` is there (cuBLAS 12.5+).
-    pub fn has_grouped(&self) -> bool {
-        self.grouped.is_some()
-    }
-
     fn handle(&self, handles: &mut HashMap<i32, usize>, device: i32) -> Result<Handle> {
         if let Some(&h) = handles.get(&device) {
             return Ok(h as Handle);

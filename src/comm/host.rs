@@ -59,7 +59,13 @@ impl HostCallbacks {
     }
 
     fn missing(&self, what: &str) -> Error {
-        Error::new(ErrorKind::Unavailable, format!("the host collective was made without a {what} callback"))
+        Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "this host communicator has no `{what}` callback (`fsdpturbo_host_collective_t.{what}` \
+                 was NULL when it was made); pass one to fsdpturbo_comm_host_new to use {what}"
+            ),
+        )
     }
 }
 

@@ -28,6 +28,7 @@ mod text;
 
 use lines::{Index, MAX_NESTING};
 use schema::{dist_config, kernel_config, train_config};
+pub(crate) use text::py_list;
 pub use text::{ConfigError, ConfigErrors};
 use text::{one_line, py_str};
 

@@ -180,9 +180,9 @@ pub(super) fn one_line(s: &str) -> String {
         .collect()
 }
 
-/// Python's `repr(list_of_str)`.
-pub(super) fn py_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
-    format!("[{}]", items.into_iter().map(py_str).collect::<Vec<_>>().join(", "))
+/// Python's `repr(list_of_str)`: the form the seed's error texts print name lists in.
+pub(crate) fn py_list<S: AsRef<str>>(items: impl IntoIterator<Item = S>) -> String {
+    format!("[{}]", items.into_iter().map(|s| py_str(s.as_ref())).collect::<Vec<_>>().join(", "))
 }
 
 /// Python's `sorted(set(...))` of strings (code-point order = UTF-8 byte order).

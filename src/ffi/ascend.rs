@@ -8,9 +8,8 @@ use std::ffi::{c_char, c_void};
 
 use super::dtype::float_dtype_arg;
 use super::error::FfiError;
-use super::handle::{arg_mut, arg_ref, arg_slice, free_handle, into_handle, write_out};
+use super::handle::{arg_ref, arg_slice, free_handle, into_handle, invalid, write_array, write_out};
 use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::backend::hccl::{HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES};
 use crate::comm::hccl::{HcclCollective, root_info};
 use crate::comm::{AllToAllV, Collective, Stream};
@@ -32,16 +31,11 @@ pub struct fsdpturbo_hccl_comm_t(HcclCollective);
 pub extern "C" fn fsdpturbo_hccl_root_info(out: *mut u8, len: usize) -> i32 {
     boundary(|| {
         if len != HCCL_ROOT_INFO_BYTES {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_INVALID_ARGUMENT,
-                format!("`len` is {len}; an HCCL root info is {HCCL_ROOT_INFO_BYTES} bytes"),
-            ));
+            return Err(invalid(format!(
+                "`len` is {len}; an HCCL root info is {HCCL_ROOT_INFO_BYTES} bytes"
+            )));
         }
-        let info = root_info()?;
-        arg_mut(out, "out")?;
-        // SAFETY: `out` holds `len` writable bytes (caller's contract), non-NULL (checked).
-        unsafe { std::ptr::copy_nonoverlapping(info.as_ptr(), out, len) };
-        Ok(())
+        write_array(out, "out", &root_info()?)
     })
 }
 
@@ -72,19 +66,14 @@ pub extern "C" fn fsdpturbo_hccl_comm_name(
     boundary(|| {
         let comm = &arg_ref(comm, "comm")?.0;
         if len < HCCL_COMM_NAME_BYTES {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_INVALID_ARGUMENT,
-                format!("`len` is {len}; a communicator name needs {HCCL_COMM_NAME_BYTES} bytes"),
-            ));
+            return Err(invalid(format!(
+                "`len` is {len}; a communicator name needs {HCCL_COMM_NAME_BYTES} bytes"
+            )));
         }
-        let name = comm.name()?;
-        arg_mut(out, "out")?;
-        // SAFETY: `out` holds `len` > name.len() writable bytes (the name fits 127 bytes).
-        unsafe {
-            std::ptr::copy_nonoverlapping(name.as_ptr(), out.cast::<u8>(), name.len());
-            *out.add(name.len()) = 0;
-        }
-        Ok(())
+        let mut name = comm.name()?.into_bytes();
+        name.push(0);
+        // `len` >= HCCL_COMM_NAME_BYTES (checked) > the name and its NUL (127 bytes at most).
+        write_array(out.cast::<u8>(), "out", &name)
     })
 }
 

@@ -4,10 +4,8 @@
 use std::ffi::c_char;
 use std::path::PathBuf;
 
-use super::error::FfiError;
-use super::handle::{arg_strs, write_out};
+use super::handle::{arg_strs, invalid, write_out};
 use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use crate::backend::{self, kernels, nvrtc};
 
 /// Adds directories searched for every vendor library (NCCL, cuBLAS, NVRTC, the CUDA driver,
@@ -45,10 +43,9 @@ pub extern "C" fn fsdpturbo_cuda_compile_kernels(
 ) -> i32 {
     boundary(|| {
         if !(50..=200).contains(&arch) {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_INVALID_ARGUMENT,
-                format!("`arch` is {arch}; give a compute capability as major*10+minor, e.g. 80 or 90"),
-            ));
+            return Err(invalid(format!(
+                "`arch` is {arch}; give a compute capability as major*10+minor, e.g. 80 or 90"
+            )));
         }
         let output = if cubin { nvrtc::Output::Cubin } else { nvrtc::Output::Ptx };
         let compiled = kernels::compile_all(arch, output)?;

@@ -7,7 +7,10 @@ use std::ffi::c_void;
 use super::dtype::dtype_arg;
 use super::error::FfiError;
 use super::error::last_error_message;
-use super::handle::{arg_ref, arg_slice, check_struct_size, free_handle, into_handle, invalid, write_out};
+use super::handle::{
+    arg_ref, arg_slice, check_data, check_disjoint, check_struct_size, free_handle, into_handle, invalid,
+    out_array, write_array, write_out,
+};
 use super::norm::{
     FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
     fsdpturbo_reduce_fn,
@@ -72,8 +75,10 @@ pub type fsdpturbo_host_all_to_all_v_fn = Option<
 
 /// A process group lent through callbacks over host memory (fsdpturbo_comm_host_new).
 /// `all_reduce` is required; `all_gather`, `reduce_scatter` (same signature as all_reduce: rank r
-/// receives the reduction of every rank's r-th block of `count`) and `all_to_all_v` may be NULL
-/// (calling them is then an error). `user` is passed to every callback.
+/// receives the reduction of every rank's r-th block of `count`) and `all_to_all_v` may be NULL:
+/// fsdpturbo_comm_all_gather, fsdpturbo_comm_reduce_scatter and fsdpturbo_comm_all_to_all_v then
+/// fail with FSDPTURBO_ERR_UNAVAILABLE naming the missing callback. `user` is passed to every
+/// callback.
 #[repr(C)]
 pub struct fsdpturbo_host_collective_t {
     pub struct_size: usize,
@@ -184,13 +189,8 @@ pub extern "C" fn fsdpturbo_nccl_version(out_version: *mut i32) -> i32 {
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_nccl_unique_id(out_id: *mut u8) -> i32 {
     boundary(|| {
-        if out_id.is_null() {
-            return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "argument `out_id` must not be NULL"));
-        }
-        let id = unique_id()?;
-        // SAFETY: the caller provides FSDPTURBO_NCCL_UNIQUE_ID_BYTES writable bytes.
-        unsafe { std::ptr::copy_nonoverlapping(id.as_ptr(), out_id, id.len()) };
-        Ok(())
+        out_array(out_id, NCCL_UNIQUE_ID_BYTES, "out_id")?;
+        write_array(out_id, "out_id", &unique_id()?)
     })
 }
 
@@ -233,9 +233,36 @@ pub extern "C" fn fsdpturbo_comm_rank(
     })
 }
 
+/// The `send` and `recv` buffers of a collective (`n_send` and `n_recv` elements of `dtype`),
+/// checked by the marshalling layer: NULL only when empty, aligned for the element type, in
+/// range, and not overlapping, except that `in_place` accepts `send == recv`.
+fn check_buffers(
+    send: *const c_void,
+    n_send: usize,
+    recv: *mut c_void,
+    n_recv: usize,
+    dtype: Dtype,
+    in_place: bool,
+) -> Result<(), FfiError> {
+    let send_region = check_data(send, n_send, dtype, "send")?;
+    let recv_region = check_data(recv.cast_const(), n_recv, dtype, "recv")?;
+    if in_place && send == recv.cast_const() {
+        return Ok(());
+    }
+    check_disjoint(&[recv_region], &[send_region])
+}
+
+/// `count` × the group size: the elements of the gathered (or scattered) side.
+fn group_elems(comm: &fsdpturbo_comm_t, count: usize) -> Result<usize, FfiError> {
+    let world = comm.inner.world_size();
+    count
+        .checked_mul(world)
+        .ok_or_else(|| invalid(format!("`count` ({count}) × the group's {world} ranks overflows")))
+}
+
 /// All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
-/// `send` into `recv` (may be equal), in the communicator's memory (device memory ordered on
-/// `stream` for NCCL; host memory otherwise, where `stream` is ignored).
+/// `send` into `recv` (may be equal, must not overlap otherwise), in the communicator's memory
+/// (device memory ordered on `stream` for NCCL; host memory otherwise, where `stream` is ignored).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_comm_all_reduce(
     comm: *const fsdpturbo_comm_t,
@@ -249,11 +276,57 @@ pub extern "C" fn fsdpturbo_comm_all_reduce(
     boundary(|| {
         let comm = arg_ref(comm, "comm")?;
         let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
-        if count > 0 && (send.is_null() || recv.is_null()) {
-            return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`send` and `recv` must not be NULL"));
-        }
+        check_buffers(send, count, recv, count, dtype, true)?;
         // SAFETY: the caller's buffers of `count` elements, as documented.
         unsafe { comm.inner.all_reduce(send, recv, count, dtype, op, Stream(stream)) }?;
+        Ok(())
+    })
+}
+
+/// All-gather: `recv` (`count` × world_size elements) receives every rank's `count` elements of
+/// `send`, in rank order (FSDPTURBO_DTYPE_* `dtype`; buffers in the communicator's memory and on
+/// `stream` as for fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host
+/// communicator made without the `all_gather` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_all_gather(
+    comm: *const fsdpturbo_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: i32,
+    stream: *mut c_void,
+) -> i32 {
+    boundary(|| {
+        let comm = arg_ref(comm, "comm")?;
+        let dtype = dtype_arg(dtype, "dtype")?;
+        check_buffers(send, count, recv, group_elems(comm, count)?, dtype, false)?;
+        // SAFETY: the caller's buffers of `count` and `count * world_size` elements, as documented.
+        unsafe { comm.inner.all_gather(send, recv, count, dtype, Stream(stream)) }?;
+        Ok(())
+    })
+}
+
+/// Reduce-scatter: rank r's `recv` (`count` elements) receives the reduction (FSDPTURBO_REDUCE_*
+/// `op`) over ranks of block r of `send` (`count` × world_size elements; FSDPTURBO_DTYPE_*
+/// `dtype`; buffers in the communicator's memory and on `stream` as for
+/// fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host communicator made
+/// without the `reduce_scatter` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_reduce_scatter(
+    comm: *const fsdpturbo_comm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: i32,
+    op: i32,
+    stream: *mut c_void,
+) -> i32 {
+    boundary(|| {
+        let comm = arg_ref(comm, "comm")?;
+        let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
+        check_buffers(send, group_elems(comm, count)?, recv, count, dtype, false)?;
+        // SAFETY: the caller's buffers of `count * world_size` and `count` elements, as documented.
+        unsafe { comm.inner.reduce_scatter(send, recv, count, dtype, op, Stream(stream)) }?;
         Ok(())
     })
 }

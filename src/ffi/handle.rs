@@ -106,6 +106,16 @@ pub(crate) fn write_slice<T: Copy>(
     Ok(())
 }
 
+/// Copies `values` into a caller array of exactly `values.len()` elements, checked as an output
+/// array (NULL only when `values` is empty, aligned, in range).
+pub(crate) fn write_array<T: Copy>(dst: *mut T, name: &str, values: &[T]) -> Result<(), FfiError> {
+    out_array(dst, values.len(), name)?;
+    // SAFETY: checked by out_array; `values` is the library's own memory, and the caller
+    // guarantees `values.len()` writable elements at `dst`.
+    unsafe { out_slice(dst, values.len()) }.copy_from_slice(values);
+    Ok(())
+}
+
 /// Copies a string into a caller-owned buffer with its NUL. `*out_len` receives the bytes
 /// needed including the NUL; a short buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL.
 pub(crate) fn write_string(
@@ -119,6 +129,18 @@ pub(crate) fn write_string(
     bytes.extend_from_slice(text.as_bytes());
     bytes.push(0);
     write_slice(dst.cast::<u8>(), capacity, out_len, &bytes, name)
+}
+
+/// The leading `struct_size` of a non-NULL versioned option struct argument, read alone: a
+/// caller built against an older, smaller struct may not have the later fields, so nothing else
+/// is read (and no reference to the struct is made) before [`check_struct_size`] accepted it.
+/// Every such struct starts with `size_t struct_size` (the ABI conventions).
+pub(crate) fn struct_size_of<T>(ptr: *const T, name: &str) -> Result<usize, FfiError> {
+    if ptr.is_null() {
+        return Err(null(name));
+    }
+    // SAFETY: non-NULL; the caller guarantees a readable struct, whose first field is its size.
+    Ok(unsafe { ptr.cast::<usize>().read_unaligned() })
 }
 
 /// Checks the `struct_size` of a versioned option struct: smaller than the first published

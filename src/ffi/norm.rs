@@ -7,8 +7,8 @@ use std::ffi::c_void;
 use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{
-    Region, arg_mut, arg_ref, arg_slice, check_data, check_disjoint_outputs, check_struct_size, host_buf,
-    host_buf_mut, invalid, write_out, write_slice,
+    Region, arg_ref, arg_slice, check_data, check_disjoint_outputs, check_struct_size, host_buf,
+    host_buf_mut, invalid, struct_size_of, write_array, write_out, write_slice,
 };
 use super::panic::boundary;
 use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
@@ -94,14 +94,9 @@ fn read_bool(field: *const bool, name: &str) -> Result<bool, FfiError> {
 }
 
 fn clip_options(ptr: *const fsdpturbo_clip_options_t) -> Result<ClipOptions, FfiError> {
-    if ptr.is_null() {
-        return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "argument `options` must not be NULL"));
-    }
+    check_struct_size(struct_size_of(ptr, "options")?, CLIP_OPTIONS_V1_SIZE, "fsdpturbo_clip_options_t")?;
     // SAFETY: non-NULL, and the caller guarantees a readable struct of at least the
-    // `struct_size` it declares, which is checked before any other field is read.
-    let struct_size = unsafe { std::ptr::addr_of!((*ptr).struct_size).read() };
-    check_struct_size(struct_size, CLIP_OPTIONS_V1_SIZE, "fsdpturbo_clip_options_t")?;
-    // SAFETY: as above; the struct is at least the v1 size.
+    // `struct_size` it declares, which is at least the v1 size (checked).
     let (max_norm, norm_type) =
         unsafe { (std::ptr::addr_of!((*ptr).max_norm).read(), std::ptr::addr_of!((*ptr).norm_type).read()) };
     // SAFETY: as above.
@@ -208,11 +203,7 @@ pub extern "C" fn fsdpturbo_norm_plan(
                 ),
             ));
         }
-        if n_grads > 0 {
-            arg_mut(grad_set, "grad_set")?;
-            // SAFETY: non-NULL, and the caller guarantees `n_grads` writable entries.
-            unsafe { std::slice::from_raw_parts_mut(grad_set, n_grads) }.copy_from_slice(&plan.grad_set);
-        }
+        write_array(grad_set, "grad_set", &plan.grad_set)?;
         write_slice(set_ends, set_ends_cap, out_n_sets, &ends, "set_ends")?;
         write_slice(set_dims, set_dims_cap, out_n_set_dims, &dims, "set_dims")
     })

@@ -6,9 +6,9 @@ use std::ffi::{CStr, c_char, c_void};
 
 use super::dtype::float_dtype_arg;
 use super::error::FfiError;
-use super::handle::{arg_ref, arg_slice, write_out};
+use super::handle::{arg_ref, arg_slice, invalid, write_out};
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
+use super::status::FSDPTURBO_ERR_NULL_ARGUMENT;
 use crate::backend::acl::{ACL_BF16, ACL_DOUBLE, ACL_FLOAT, ACL_FLOAT16, ACL_INT32, ACL_INT64, ACL_UINT8};
 use crate::backend::aclnn::mc2::Exchange;
 use crate::backend::aclnn::{Aclnn, View};
@@ -116,9 +116,8 @@ fn exchange<'a>(e: *const fsdpturbo_npu_exchange_t) -> Result<Exchange<'a>, FfiE
 fn mc2_dtype(code: i32) -> Result<i32, FfiError> {
     match acl_dtype(code)? {
         t @ (ACL_BF16 | ACL_FLOAT16) => Ok(t),
-        _ => Err(FfiError::new(
-            FSDPTURBO_ERR_INVALID_ARGUMENT,
-            "the MC2 operators take bfloat16 or float16 (FSDPTURBO_DTYPE_BF16 or _F16) only",
+        _ => Err(invalid(
+            "the MC2 operators take bfloat16 or float16 (FSDPTURBO_DTYPE_BF16 or _F16) only".into(),
         )),
     }
 }
@@ -143,12 +142,9 @@ pub extern "C" fn fsdpturbo_npu_grouped_matmul(
 ) -> i32 {
     boundary(|| {
         if !matches!((split_item, group_type), (2, 0) | (3, 2)) {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_INVALID_ARGUMENT,
-                format!(
-                    "split_item {split_item} with group_type {group_type}: accepted are 2 with 0, 3 with 2"
-                ),
-            ));
+            return Err(invalid(format!(
+                "split_item {split_item} with group_type {group_type}: accepted are 2 with 0, 3 with 2"
+            )));
         }
         let t = acl_dtype(dtype)?;
         let (x, weight, out) = (view(x, t, "x")?, view(weight, t, "weight")?, view(out, t, "out")?);

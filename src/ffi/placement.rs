@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use super::error::FfiError;
 use super::handle::{
     arg_mut, arg_ref, arg_slice, check_disjoint, free_handle, in_array, into_handle, invalid, out_array,
-    out_slice, write_out, write_slice,
+    out_slice, write_array, write_out, write_slice,
 };
 use super::panic::boundary;
 use super::status::FSDPTURBO_ERR_BUFFER_TOO_SMALL;
@@ -123,17 +123,6 @@ fn inputs<'a>(
     Ok(Inputs { global_shape, mesh_shape, coordinate, placements })
 }
 
-/// Writes `values` to a caller array of exactly `values.len()` elements (NULL when empty).
-fn write_array(dst: *mut u64, name: &str, values: &[u64]) -> Result<(), FfiError> {
-    if values.is_empty() {
-        return Ok(());
-    }
-    let dst = arg_mut(dst, name)?;
-    // SAFETY: the caller guarantees `values.len()` writable elements at `dst`.
-    unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), dst, values.len()) };
-    Ok(())
-}
-
 /// torch 2.15's `_compute_local_shape_and_global_offset`: the local shape and the global
 /// offset of the shard at `coordinate` of a tensor of `global_shape` (`ndim` dims) placed by
 /// `placements` on a mesh of `mesh_shape` (`mesh_ndim` dims; `coordinate` and `placements`
@@ -154,10 +143,8 @@ pub extern "C" fn fsdpturbo_local_shape_and_offset(
 ) -> i32 {
     boundary(|| {
         let i = inputs(global_shape, ndim, mesh_shape, coordinate, mesh_ndim, placements)?;
-        if ndim > 0 {
-            arg_mut(local_shape, "local_shape")?;
-            arg_mut(global_offset, "global_offset")?;
-        }
+        out_array(local_shape, ndim, "local_shape")?;
+        out_array(global_offset, ndim, "global_offset")?;
         let (shape, offset) =
             placement::local_shape_and_offset(i.global_shape, i.mesh_shape, i.coordinate, &i.placements)?;
         write_array(local_shape, "local_shape", &shape)?;

@@ -6,11 +6,10 @@ use std::ffi::c_char;
 use super::config::fsdpturbo_config_t;
 use super::error::FfiError;
 use super::handle::{
-    arg_mut, arg_ref, arg_slice, arg_str, arg_strs, check_struct_size, free_handle, into_handle, write_out,
-    write_slice, write_string,
+    arg_mut, arg_ref, arg_slice, arg_str, arg_strs, check_struct_size, free_handle, into_handle, invalid,
+    write_out, write_slice, write_string,
 };
 use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_INVALID_ARGUMENT;
 use super::topology::fsdpturbo_topology_t;
 use crate::config::TrainConfig;
 use crate::error::{Error, ErrorKind};
@@ -67,7 +66,7 @@ fn model_tree(desc: &fsdpturbo_model_desc_t) -> Result<ModelTree, FfiError> {
     let total = ndims
         .iter()
         .try_fold(0usize, |acc, &n| acc.checked_add(n))
-        .ok_or_else(|| FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, "desc.param_ndims sum overflows"))?;
+        .ok_or_else(|| invalid("desc.param_ndims sum overflows".into()))?;
     let dims = arg_slice(desc.param_shapes, total, "desc.param_shapes")?;
     let mut params = Vec::with_capacity(names.len());
     let mut offset = 0;

@@ -227,24 +227,23 @@ pub extern "C" fn fsdpturbo_permute_rows(
             hidden: usize,
             rows: &[u64],
             divisor: usize,
-        ) -> crate::error::Result<()> {
-            // SAFETY: both regions passed data_region (aligned for 2-, 4- or 8-byte elements,
-            // in range) and check_disjoint; the caller guarantees the memory.
-            let (src, dst) = unsafe {
-                let src: &[T] = if n_src == 0 { &[] } else { std::slice::from_raw_parts(src.cast(), n_src) };
-                (src, out_slice::<T>(dst.cast(), n_dst))
-            };
-            if divisor == 1 {
+        ) -> Result<(), FfiError> {
+            // Typed views of the buffers data_region checked (aligned for their 2-, 4- or
+            // 8-byte elements, in range, disjoint).
+            let (src, _) = in_array(src.cast::<T>(), n_src, "src")?;
+            // SAFETY: `dst` passed data_region and check_disjoint; the caller guarantees the memory.
+            let dst = unsafe { out_slice::<T>(dst.cast(), n_dst) };
+            Ok(if divisor == 1 {
                 route::permute(src, hidden, rows, dst)
             } else {
                 route::permute_tokens(src, hidden, rows, divisor, dst)
-            }
+            }?)
         }
-        Ok(match dtype.size() {
+        match dtype.size() {
             2 => go::<u16>(src, n_src, dst, n_dst, hidden, rows, row_divisor),
             4 => go::<u32>(src, n_src, dst, n_dst, hidden, rows, row_divisor),
             _ => go::<u64>(src, n_src, dst, n_dst, hidden, rows, row_divisor),
-        }?)
+        }
     })
 }
 

@@ -4,9 +4,11 @@
 use std::ffi::c_char;
 
 use super::error::FfiError;
-use super::handle::{arg_ref, arg_str, check_struct_size, free_handle, into_handle, write_out, write_slice};
+use super::handle::{
+    arg_ref, arg_str, check_struct_size, free_handle, into_handle, invalid, struct_size_of, write_out,
+    write_slice,
+};
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_NULL_ARGUMENT};
 use crate::topology::{Mesh, Topology, TopologySpec};
 
 /// Selects the data mesh `(dp, cp)`, dims "dp", "cp".
@@ -77,10 +79,9 @@ fn size_of_dim(topology: &Topology, dim: &str) -> Result<u64, FfiError> {
         "edp" => topology.edp_size,
         "expert_cp" => topology.cp_size,
         _ => {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_INVALID_ARGUMENT,
-                format!("argument `dim` is \"{dim}\", which is not a topology size; accepted: {SIZE_NAMES}"),
-            ));
+            return Err(invalid(format!(
+                "argument `dim` is \"{dim}\", which is not a topology size; accepted: {SIZE_NAMES}"
+            )));
         }
     })
 }
@@ -90,19 +91,16 @@ fn select_mesh(topology: &Topology, mesh: i32) -> Result<Mesh, FfiError> {
         FSDPTURBO_MESH_DATA => Ok(topology.data_mesh()),
         FSDPTURBO_MESH_MODEL => Ok(topology.model_mesh()),
         FSDPTURBO_MESH_EXPERT => topology.expert_mesh().ok_or_else(|| {
-            FfiError::new(
-                FSDPTURBO_ERR_INVALID_ARGUMENT,
+            invalid(
                 "argument `mesh` is FSDPTURBO_MESH_EXPERT (2), but this topology has no expert mesh: \
-                 ep_size is 1. Build the topology with ep_size > 1 to get one.",
+                 ep_size is 1. Build the topology with ep_size > 1 to get one."
+                    .into(),
             )
         }),
-        _ => Err(FfiError::new(
-            FSDPTURBO_ERR_INVALID_ARGUMENT,
-            format!(
-                "argument `mesh` is {mesh}; accepted: FSDPTURBO_MESH_DATA (0), FSDPTURBO_MESH_MODEL (1), \
+        _ => Err(invalid(format!(
+            "argument `mesh` is {mesh}; accepted: FSDPTURBO_MESH_DATA (0), FSDPTURBO_MESH_MODEL (1), \
                  FSDPTURBO_MESH_EXPERT (2)"
-            ),
-        )),
+        ))),
     }
 }
 
@@ -110,23 +108,12 @@ fn select_mesh(topology: &Topology, mesh: i32) -> Result<Mesh, FfiError> {
 fn parse_dims(dims: &str) -> Result<Vec<&str>, FfiError> {
     let names: Vec<&str> = dims.split(',').map(str::trim).collect();
     if names.iter().any(|n| n.is_empty()) {
-        return Err(FfiError::new(
-            FSDPTURBO_ERR_INVALID_ARGUMENT,
-            format!(
-                "argument `dims` is \"{dims}\"; it must be one or more mesh dim names separated by commas, \
+        return Err(invalid(format!(
+            "argument `dims` is \"{dims}\"; it must be one or more mesh dim names separated by commas, \
                  e.g. \"ep\" or \"efsdp,ep\", with no empty names"
-            ),
-        ));
+        )));
     }
     Ok(names)
-}
-
-/// Reads only the leading `struct_size` of a non-NULL options pointer: a caller built against an
-/// older, smaller struct may not have the later fields.
-fn read_struct_size(options: *const fsdpturbo_topology_options_t) -> usize {
-    // SAFETY: the caller checked `options` is non-NULL; every version of the struct starts with
-    // `struct_size`, and no reference to the whole struct is made before its size is checked.
-    unsafe { std::ptr::addr_of!((*options).struct_size).read() }
 }
 
 /// Builds a topology from `options` and stores a new handle in `*out` (NULL on failure).
@@ -139,11 +126,9 @@ pub extern "C" fn fsdpturbo_topology_new(
     out: *mut *mut fsdpturbo_topology_t,
 ) -> i32 {
     boundary(|| {
-        if options.is_null() {
-            return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "argument `options` must not be NULL"));
-        }
+        let struct_size = struct_size_of(options, "options")?;
         write_out(out, "out", std::ptr::null_mut())?;
-        check_struct_size(read_struct_size(options), TOPOLOGY_OPTIONS_V1_SIZE, "options")?;
+        check_struct_size(struct_size, TOPOLOGY_OPTIONS_V1_SIZE, "options")?;
         let options = arg_ref(options, "options")?;
         let spec = TopologySpec {
             world_size: options.world_size,

@@ -1,5 +1,7 @@
 /* Communicators through the header: one rank, a process group lent through host callbacks (a
  * simulated second rank whose values the callbacks add), the grad norm over them, and misuse. */
+#include <stdint.h>
+
 #include "check.h"
 
 static double absd(double x) { return x < 0 ? -x : x; }
@@ -24,6 +26,30 @@ static int32_t all_reduce(void *user, const void *send, void *recv, size_t count
 static int32_t failing_all_reduce(void *user, const void *send, void *recv, size_t count, int32_t dtype, int32_t op) {
   (void)user, (void)send, (void)recv, (void)count, (void)dtype, (void)op;
   return 42;
+}
+
+/* The peer's `count` floats of an all-gather are all peer_value; rank 0 comes first. */
+static int32_t all_gather(void *user, const void *send, void *recv, size_t count, int32_t dtype) {
+  peer_t *peer = (peer_t *)user;
+  ++peer->calls;
+  if (dtype != FSDPTURBO_DTYPE_F32) return 5;
+  for (size_t i = 0; i < count; ++i) {
+    ((float *)recv)[i] = ((const float *)send)[i];
+    ((float *)recv)[count + i] = (float)peer->peer_value;
+  }
+  return 0;
+}
+
+/* Rank 0 receives block 0 reduced with the peer's block 0, whose floats are all peer_value. */
+static int32_t reduce_scatter(void *user, const void *send, void *recv, size_t count, int32_t dtype, int32_t op) {
+  peer_t *peer = (peer_t *)user;
+  ++peer->calls;
+  if (dtype != FSDPTURBO_DTYPE_F32) return 5;
+  for (size_t i = 0; i < count; ++i) {
+    float mine = ((const float *)send)[i], theirs = (float)peer->peer_value;
+    ((float *)recv)[i] = op == FSDPTURBO_REDUCE_MAX ? (mine > theirs ? mine : theirs) : mine + theirs;
+  }
+  return 0;
 }
 
 static fsdpturbo_host_collective_t callbacks(peer_t *peer) {
@@ -54,8 +80,92 @@ static void test_single_rank(void) {
   CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, send, recv, counts, displs, counts, displs, FSDPTURBO_DTYPE_F32, NULL),
                FSDPTURBO_OK);
   CHECK(recv[1] == 2 && recv[2] == 3);
+  /* All-gather and reduce-scatter of one rank are copies. */
+  float gathered[3] = {0, 0, 0};
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, send, gathered, 3, FSDPTURBO_DTYPE_F32, NULL), FSDPTURBO_OK);
+  CHECK(gathered[0] == 1 && gathered[1] == 2 && gathered[2] == 3);
+  float scattered[3] = {0, 0, 0};
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, send, scattered, 3, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_MAX, NULL),
+               FSDPTURBO_OK);
+  CHECK(scattered[0] == 1 && scattered[1] == 2 && scattered[2] == 3);
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, NULL, NULL, 0, FSDPTURBO_DTYPE_F32, NULL), FSDPTURBO_OK);
+  /* Misuse: NULL buffers, codes outside the enums, overlap (all-reduce alone may be in place). */
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, NULL, gathered, 3, FSDPTURBO_DTYPE_F32, NULL),
+               FSDPTURBO_ERR_NULL_ARGUMENT);
+  CHECK(last_error_contains("argument `send` is NULL but must hold 3 elements"));
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, send, NULL, 3, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_ERR_NULL_ARGUMENT);
+  CHECK(last_error_contains("argument `recv` is NULL but must hold 3 elements"));
+  CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, NULL, recv, 3, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_ERR_NULL_ARGUMENT);
+  CHECK(last_error_contains("argument `send` is NULL but must hold 3 elements"));
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, send, gathered, 3, 17, NULL), FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK(last_error_contains("not an FSDPTURBO_DTYPE_* value"));
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, send, scattered, 3, FSDPTURBO_DTYPE_F32, 9, NULL),
+               FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK(last_error_contains("`op` is 9, not an FSDPTURBO_REDUCE_* value"));
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, send, send + 1, 2, FSDPTURBO_DTYPE_F32, NULL),
+               FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK(last_error_contains("buffers `recv` and `send` overlap"));
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, send, send, 3, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, send, send + 1, 2, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(fsdpturbo_comm_all_reduce(comm, send, send, 3, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_OK);
+  CHECK(send[0] == 1 && send[2] == 3);
+  CHECK_STATUS(fsdpturbo_comm_all_gather(NULL, send, gathered, 3, FSDPTURBO_DTYPE_F32, NULL),
+               FSDPTURBO_ERR_NULL_ARGUMENT);
   fsdpturbo_comm_free(comm);
   fsdpturbo_comm_free(NULL);
+}
+
+/* All-gather and reduce-scatter over the lent group of two ranks, and without their callbacks. */
+static void test_gather_and_scatter_over_host_callbacks(void) {
+  peer_t peer = {10.0, 0};
+  fsdpturbo_host_collective_t c = callbacks(&peer);
+  c.all_gather = all_gather;
+  c.reduce_scatter = reduce_scatter;
+  fsdpturbo_comm_t *comm = NULL;
+  CHECK_STATUS(fsdpturbo_comm_host_new(&c, &comm), FSDPTURBO_OK);
+  float mine[2] = {1, 2}, gathered[4] = {0, 0, 0, 0};
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, mine, gathered, 2, FSDPTURBO_DTYPE_F32, NULL), FSDPTURBO_OK);
+  CHECK(gathered[0] == 1 && gathered[1] == 2 && gathered[2] == 10 && gathered[3] == 10);
+  float blocks[4] = {1, 20, 3, 4}, out[2] = {0, 0};
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, blocks, out, 2, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_OK);
+  CHECK(out[0] == 11 && out[1] == 30);
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, blocks, out, 2, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_MAX, NULL),
+               FSDPTURBO_OK);
+  CHECK(out[0] == 10 && out[1] == 20);
+  CHECK(peer.calls == 3);
+  /* The gathered side is count x 2 elements: its size overflows before any callback runs. */
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, mine, gathered, SIZE_MAX / 2 + 1, FSDPTURBO_DTYPE_F32, NULL),
+               FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK(last_error_contains("the group's 2 ranks overflows"));
+  /* The scattered side is checked as count x 2 elements: it may not overlap the output. */
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, blocks, blocks + 1, 1, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_ERR_INVALID_ARGUMENT);
+  CHECK(last_error_contains("buffers `recv` and `send` overlap"));
+  CHECK(peer.calls == 3);
+  fsdpturbo_comm_free(comm);
+
+  /* Made with all_reduce only: the others fail naming the callback that is missing. */
+  c = callbacks(&peer);
+  CHECK_STATUS(fsdpturbo_comm_host_new(&c, &comm), FSDPTURBO_OK);
+  CHECK_STATUS(fsdpturbo_comm_all_gather(comm, mine, gathered, 2, FSDPTURBO_DTYPE_F32, NULL),
+               FSDPTURBO_ERR_UNAVAILABLE);
+  CHECK(last_error_contains("this host communicator has no `all_gather` callback "
+                            "(`fsdpturbo_host_collective_t.all_gather` was NULL when it was made)"));
+  CHECK_STATUS(fsdpturbo_comm_reduce_scatter(comm, blocks, out, 2, FSDPTURBO_DTYPE_F32, FSDPTURBO_REDUCE_SUM, NULL),
+               FSDPTURBO_ERR_UNAVAILABLE);
+  CHECK(last_error_contains("no `reduce_scatter` callback"));
+  size_t counts[2] = {1, 1}, displs[2] = {0, 1};
+  CHECK_STATUS(fsdpturbo_comm_all_to_all_v(comm, mine, out, counts, displs, counts, displs, FSDPTURBO_DTYPE_F32, NULL),
+               FSDPTURBO_ERR_UNAVAILABLE);
+  CHECK(last_error_contains("no `all_to_all_v` callback"));
+  CHECK(peer.calls == 3);
+  fsdpturbo_comm_free(comm);
 }
 
 static void test_grad_norm_over_host_callbacks(void) {
@@ -134,6 +244,7 @@ static void test_misuse(void) {
 int main(void) {
   test_single_rank();
   test_grad_norm_over_host_callbacks();
+  test_gather_and_scatter_over_host_callbacks();
   test_misuse();
   return check_summary("test_comm");
 }

@@ -237,6 +237,8 @@ FUNCTIONS = {
     'fsdpturbo_comm_free': (None, [_c.c_void_p]),
     'fsdpturbo_comm_rank': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_comm_all_reduce': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_comm_all_gather': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_comm_reduce_scatter': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
     'fsdpturbo_comm_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_int32, _c.c_void_p]),
     'fsdpturbo_clip_grad_norm_comm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(fsdpturbo_comm_group_t), _c.c_size_t, _c.POINTER(_c.c_double)]),
     'fsdpturbo_config_parse': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_void_p)]),

@@ -5,9 +5,9 @@ checkpointing re-runs in backward picked other experts (nondeterministic kernels
 the recomputed all-to-all would no longer match the first one. So the router of every EP module
 records its top-k ids in the first forward of a checkpointed decoder layer (non-reentrant
 checkpointing: the first forward runs with grad enabled) and the recomputation takes exactly
-those ids, with their scores recomputed from the recomputed logits — no host sync, and bitwise
-the first forward's scores whenever the logits agree. (Each pass also computes the scores of
-the ids it takes from the logits, one softmax and gather over [tokens, E] more per router.)
+those ids: where the recomputed router picked the same ids its own scores are kept, where it
+picked others the scores of the recorded ids are computed from its logits (no host sync; both
+passes of a checkpointed layer pay one softmax and gather over [tokens, E] more per router).
 
 `record_routes(model)` / `replay_routes(model, routes)` expose the same for RL trainers: record
 the routes a forward took (e.g. at rollout) and make a later forward take them.
@@ -65,24 +65,33 @@ def _next_replayed(router, name, logits):
     return indices
 
 
+def _taken(router, logits, scores, indices, taken):
+    """The scores of the ids `taken`: the router's own where its ids agree (row by row), else
+    computed from its logits. No host sync; the same operations whatever `taken` is."""
+    same = (indices == taken).all(dim=-1, keepdim=True)
+    return torch.where(same, scores, _scores(router, logits, taken))
+
+
 def _routed_forward(self, hidden_states):
-    """The router's forward, then its scores recomputed for the ids it takes: the first forward's
-    in a recomputation, the replayed ones under `replay_routes`, else its own. Every pass runs the
-    same operations (checkpointing requires the recomputation to save what the first forward
-    saved); the scores equal the router's own bitwise when the ids do."""
+    """The router's forward, taking the first forward's ids in a recomputation and the replayed
+    ids under `replay_routes`. A checkpointed layer's first forward and its recomputation run
+    the same operations (checkpointing requires the recomputation to save what the first
+    forward saved); a forward that is neither returns the router's own result untouched."""
     routes = self.ft_routes
-    logits, _, indices = routes.original(hidden_states)
+    logits, scores, indices = routes.original(hidden_states)
     if _in_backward():
-        if routes.pending:  # the recomputation of a checkpointed layer
-            indices = routes.pending.pop()
-    else:
-        if routes.replaying is not None:
-            indices = _next_replayed(self, self.ft_name, logits)
-        if routes.recording is not None:
-            routes.recording.append(indices.detach().clone())
-        if torch.is_grad_enabled() and routes.checkpointed():
-            routes.pending.append(indices.detach())
-    return logits, _scores(self, logits, indices), indices
+        if not routes.pending:  # a recomputation nothing was recorded for (reentrant checkpointing)
+            return logits, scores, indices
+        taken = routes.pending.pop()
+        return logits, _taken(self, logits, scores, indices, taken), taken
+    taken = _next_replayed(self, self.ft_name, logits) if routes.replaying is not None else indices
+    if routes.recording is not None:
+        routes.recording.append(taken.detach().clone())
+    if torch.is_grad_enabled() and routes.checkpointed():
+        routes.pending.append(taken.detach())
+    elif taken is indices:
+        return logits, scores, indices
+    return logits, _taken(self, logits, scores, indices, taken), taken
 
 
 def install(model, ep_module_names, layers):

@@ -149,8 +149,7 @@ def _layout():
     state = get_parallel_state()
     if state is None:
         return None
-    return {name: getattr(state, f"{name}_size") for name in ("dp", "cp", "ep", "efsdp", "edp")
-            if hasattr(state, f"{name}_size")}
+    return {name: getattr(state, f"{name}_size") for name in ("dp", "cp", "ep", "efsdp", "edp")}
 
 
 class AsyncCheckpoint:
@@ -205,13 +204,13 @@ def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
             _replace(partial, path)
         _barrier()
 
-    total = sum(_tensor_bytes(s) for s in states.values())
     if async_save:
         groups = _background_groups(len(states))
         futures = [dcp.async_save(state, checkpoint_id=os.path.join(partial, name), process_group=group,
                                   no_dist=not dist.is_initialized())
                    for (name, state), group in zip(states.items(), groups)]
         return AsyncCheckpoint(path, futures, finish)
+    total = sum(_tensor_bytes(s) for s in states.values())
     with Progress(total, f"saving {path}") as bar, _on_every_rank("saving the checkpoint", path):
         for name, state in states.items():
             dcp.save(state, checkpoint_id=os.path.join(partial, name), planner=_SavePlanner(bar),
@@ -273,7 +272,7 @@ def _shape(value):
     return tuple(value.shape) if isinstance(value, (torch.Tensor, DTensor)) else None
 
 
-def check_against(state, directory, what):
+def _check_against(state, directory, what):
     """Raises a clear error before any tensor is read when the DCP checkpoint `directory` cannot
     fill `state` (flattened names): a missing tensor, another global shape or dtype, a file
     shorter than the bytes its metadata promises (a truncated or partly copied checkpoint).
@@ -330,7 +329,7 @@ def _read(parts, path):
     checked before any tensor is read (the states may share storage with the model), then all
     are read under one progress bar."""
     for state, directory, what in parts:
-        check_against(state, directory, what)
+        _check_against(state, directory, what)
     with Progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
             _on_every_rank("loading the checkpoint", path):
         for state, directory, _ in parts:

@@ -88,10 +88,6 @@ class _DcpTensors:
         if skipped:
             logger.info("fsdpturbo convert: %d non-tensor entries are not converted: %s", len(skipped), skipped[:8])
 
-    def nbytes(self, name):
-        meta = self.meta[name]
-        return torch.Size(meta.size).numel() * meta.properties.dtype.itemsize
-
     def read(self, name):
         meta = self.meta[name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -152,16 +148,19 @@ def dcp_to_hf(checkpoint, out, *, config=None, max_shard_bytes=4 << 30, per_expe
     source = _DcpTensors(checkpoint)
     kept = os.path.join(os.fspath(checkpoint), HF_FILES)
     config = config or (kept if os.path.isdir(kept) else None)
-    names = [n for n in source.meta if not (n == "lm_head.weight" and _tied(config))]
+    tied = _tied(config)
+    names = [n for n in source.meta if not (tied and n == "lm_head.weight")]
+
+    def pieces(name, tensor):
+        return hf_layout.split(name, tensor) if per_expert else [(name, tensor)]
+
     entries, owner = [], {}
     for name in names:
         meta = source.meta[name]
         dtype = meta.properties.dtype
         if dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"fsdpturbo convert: {name} has dtype {dtype}, which safetensors cannot hold")
-        pieces = hf_layout.split(name, torch.empty(meta.size, dtype=dtype, device="meta")) if per_expert \
-            else [(name, torch.empty(meta.size, dtype=dtype, device="meta"))]
-        for key, piece in pieces:
+        for key, piece in pieces(name, torch.empty(meta.size, dtype=dtype, device="meta")):
             entries.append((key, dtype, tuple(piece.shape), piece.numel() * dtype.itemsize))
             owner[key] = name
     files = _plan_files(entries, max_shard_bytes)
@@ -178,8 +177,7 @@ def dcp_to_hf(checkpoint, out, *, config=None, max_shard_bytes=4 << 30, per_expe
                 for key, _, _, nbytes in file_entries:
                     name = owner[key]
                     if held[0] != name:
-                        full = source.read(name)
-                        held = (name, dict(hf_layout.split(name, full) if per_expert else [(name, full)]))
+                        held = (name, dict(pieces(name, source.read(name))))
                     piece = held[1][key]
                     f.write(_bytes(piece))
                     tensors[key] = _entry(piece)

@@ -39,6 +39,12 @@ def _ep_modules(model):
     return [(name, m) for name, m in model.named_modules() if hasattr(m, "num_global_experts")]
 
 
+def _device_of(model):
+    """Where the collective runs when no forward has recorded yet: the parameters' device."""
+    device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def expert_load(model, *, reset=True, group=None):
     """{EP module name: int64 tensor [E] on the CPU}: tokens routed to each expert of the module
     (a token counts once per expert of its top-k) since the last reset, summed over every rank
@@ -48,21 +54,17 @@ def expert_load(model, *, reset=True, group=None):
     if not modules:
         raise ValueError("fsdpturbo.expert_load: the model has no expert-parallel module (expert "
                          "parallelism with ep_size > 1 installs them; with ep_size 1 the experts run unchanged)")
-    device = next((getattr(m, _COUNTS).device for _, m in modules if hasattr(m, _COUNTS)), None)
-    if device is None:
-        device = next(model.parameters()).device
-        if isinstance(device, torch.device) and device.type == "meta":
-            device = torch.device("cpu")
+    tallies = [getattr(m, _COUNTS, None) for _, m in modules]
+    device = next((t.device for t in tallies if t is not None), None) or _device_of(model)
     sizes = [m.num_global_experts for _, m in modules]
-    flat = torch.cat([getattr(m, _COUNTS, None) if hasattr(m, _COUNTS)
-                      else torch.zeros(e, dtype=torch.int64, device=device) for (_, m), e in zip(modules, sizes)])
-    flat = flat.to(device)
+    flat = torch.cat([t if t is not None else torch.zeros(e, dtype=torch.int64, device=device)
+                      for t, e in zip(tallies, sizes)])
     if dist.is_initialized():
         dist.all_reduce(flat, group=group)
     if reset:
-        for _, m in modules:
-            if hasattr(m, _COUNTS):
-                getattr(m, _COUNTS).zero_()
+        for tally in tallies:
+            if tally is not None:
+                tally.zero_()
     return dict(zip((name for name, _ in modules), flat.cpu().split(sizes)))
 
 

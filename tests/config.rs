@@ -7,8 +7,9 @@ use std::path::Path;
 use std::ptr;
 
 use fsdpturbo::config::{
-    ConfigError, ConfigErrors, Dispatcher, DistConfig, FsdpImplementation, IncludeKernels, KernelConfig,
-    TrainConfig, parse_dist_config, parse_kernel_config, parse_train_config, parse_train_config_bytes,
+    AuxLossScope, CapacityOverflow, ConfigError, ConfigErrors, Dispatcher, DistConfig, FsdpImplementation,
+    IncludeKernels, KernelConfig, TrainConfig, parse_dist_config, parse_kernel_config, parse_train_config,
+    parse_train_config_bytes,
 };
 use fsdpturbo::error::{Error, ErrorKind};
 
@@ -46,9 +47,10 @@ fn kernel(body: &str) -> KernelConfig {
     ok(&format!("kernel_config:\n{body}")).kernel.expect("kernel_config present")
 }
 
-const EXPECTED: &str = "Expected: ['dcp_path', 'efsdp_size', 'ep_dispatcher', 'ep_size', 'fsdp_ignored_modules', \
-                        'fsdp_implementation', 'hook_modules', 'name', 'offload_params', 'pin_memory', \
-                        'reshard_after_forward']";
+const EXPECTED: &str = "Expected: ['aux_loss_scope', 'capacity_factor', 'capacity_overflow', 'dcp_path', \
+                        'efsdp_size', 'ep_dispatcher', 'ep_size', 'expert_bias_update_rate', 'expert_capacity', \
+                        'fsdp_ignored_modules', 'fsdp_implementation', 'hook_modules', 'name', 'offload_params', \
+                        'pin_memory', 'reshard_after_forward', 'router_z_loss_coef']";
 
 // ---- defaults and fields ---------------------------------------------------------------------
 
@@ -121,8 +123,61 @@ fn every_dist_config_field() {
             hook_modules: vec!["model.layers.{*}.mlp".into()],
             fsdp_implementation: FsdpImplementation::Custom,
             efsdp_size: Some(2),
+            ..DistConfig::default()
         }
     );
+}
+
+#[test]
+fn capacity_and_balancing_fields() {
+    let d = dist(
+        "  name: fsdpturbo\n  ep_dispatcher: fused\n  capacity_factor: 1.25\n  capacity_overflow: fail\n\
+         \x20 aux_loss_scope: sequence\n  router_z_loss_coef: 0.001\n  expert_bias_update_rate: 1.0e-3\n",
+    );
+    assert_eq!(d.capacity_factor, Some(1.25));
+    assert_eq!(d.expert_capacity, None);
+    assert_eq!(d.capacity_overflow, CapacityOverflow::Fail);
+    assert_eq!(d.aux_loss_scope, AuxLossScope::Sequence);
+    assert_eq!(d.router_z_loss_coef, 0.001);
+    assert_eq!(d.expert_bias_update_rate, Some(1.0e-3));
+    let d = dist("  name: fsdpturbo\n  expert_capacity: 64\n");
+    assert_eq!((d.expert_capacity, d.capacity_overflow), (Some(64), CapacityOverflow::Drop));
+    assert_eq!(DistConfig::default().aux_loss_scope, AuxLossScope::Global);
+}
+
+#[test]
+fn capacity_and_balancing_errors_name_the_field_and_what_is_accepted() {
+    let cases = [
+        ("capacity_factor: 0", "dist_config.capacity_factor", "expected a finite number > 0, got 0.0"),
+        ("capacity_factor: .inf", "dist_config.capacity_factor", "expected a finite number > 0, got inf"),
+        ("capacity_factor: high", "dist_config.capacity_factor", "expected a number, got"),
+        ("expert_capacity: 0", "dist_config.expert_capacity", "expert_capacity must be positive, got 0."),
+        ("capacity_factor: 1.0\n  expert_capacity: 8", "dist_config.expert_capacity", "not both"),
+        ("capacity_overflow: fail", "dist_config.capacity_overflow", "needs a capacity"),
+        (
+            "capacity_factor: 2\n  capacity_overflow: spill",
+            "dist_config.capacity_overflow",
+            "expected one of ['drop', 'fail'], got 'spill'",
+        ),
+        ("capacity_factor: 2\n  ep_dispatcher: mc2", "dist_config.capacity_factor", "got 'mc2'"),
+        ("expert_capacity: 4\n  ep_dispatcher: domino", "dist_config.expert_capacity", "got 'domino'"),
+        (
+            "aux_loss_scope: batch",
+            "dist_config.aux_loss_scope",
+            "expected one of ['global', 'local', 'sequence'], got 'batch'",
+        ),
+        (
+            "router_z_loss_coef: -1",
+            "dist_config.router_z_loss_coef",
+            "expected a finite number ≥ 0, got -1.0",
+        ),
+        ("expert_bias_update_rate: 0", "dist_config.expert_bias_update_rate", "expected a finite number > 0"),
+    ];
+    for (body, path, message) in cases {
+        let err = error(&format!("dist_config:\n  name: fsdpturbo\n  {body}\n"));
+        assert_eq!(err.path, path, "{body}");
+        assert!(err.message.contains(message), "{body}: {}", err.message);
+    }
 }
 
 #[test]
@@ -1163,7 +1218,9 @@ mod c_abi {
                     "name": "fsdpturbo", "reshard_after_forward": true, "offload_params": false,
                     "pin_memory": true, "dcp_path": null, "ep_size": 4, "ep_dispatcher": "fused",
                     "fsdp_ignored_modules": [], "hook_modules": ["a"], "fsdp_implementation": "native",
-                    "efsdp_size": null
+                    "efsdp_size": null, "capacity_factor": null, "expert_capacity": null,
+                    "capacity_overflow": "drop", "aux_loss_scope": "global", "router_z_loss_coef": 0.0,
+                    "expert_bias_update_rate": null
                 },
                 "kernel": {"names": ["auto", "flash-linear-attention"], "include_kernels": "auto", "chunk_size": 32}
             })

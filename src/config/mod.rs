@@ -95,8 +95,57 @@ impl FsdpImplementation {
     }
 }
 
-/// `dist_config`: LlamaFactory's `FSDPTurboParams`, with the seed's defaults, plus our one
-/// extension `efsdp_size` (DESIGN §4.6).
+/// What a capacity-bounded dispatch does with rows over an expert's capacity
+/// (`dist_config.capacity_overflow`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CapacityOverflow {
+    /// The rows over capacity skip the expert (their slot adds nothing); counted as dropped.
+    Drop,
+    /// An error on every rank of the EP group naming the layer, the expert and the counts.
+    Fail,
+}
+
+impl CapacityOverflow {
+    const ALL: [CapacityOverflow; 2] = [CapacityOverflow::Drop, CapacityOverflow::Fail];
+
+    /// The name used in the YAML: "drop" or "fail".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CapacityOverflow::Drop => "drop",
+            CapacityOverflow::Fail => "fail",
+        }
+    }
+}
+
+/// Over which tokens the router's load-balancing (aux) loss takes its statistics
+/// (`dist_config.aux_loss_scope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AuxLossScope {
+    /// The global batch: every data-parallel rank's tokens (one-process semantics).
+    Global,
+    /// Each rank's own tokens (plain Hugging Face under data parallelism).
+    Local,
+    /// Each sequence's tokens, averaged over the sequences of the global batch.
+    Sequence,
+}
+
+impl AuxLossScope {
+    const ALL: [AuxLossScope; 3] = [AuxLossScope::Global, AuxLossScope::Local, AuxLossScope::Sequence];
+
+    /// The name used in the YAML: "global", "local" or "sequence".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuxLossScope::Global => "global",
+            AuxLossScope::Local => "local",
+            AuxLossScope::Sequence => "sequence",
+        }
+    }
+}
+
+/// `dist_config`: LlamaFactory's `FSDPTurboParams`, with the seed's defaults, plus our
+/// extensions: `efsdp_size` (DESIGN §4.6), the capacity-bounded dispatch and load balancing.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DistConfig {
     pub name: String,
@@ -111,6 +160,18 @@ pub struct DistConfig {
     pub fsdp_implementation: FsdpImplementation,
     /// Explicit expert-FSDP size; `None` = the seed's formula (dp / ep).
     pub efsdp_size: Option<u64>,
+    /// Capacity-bounded dispatch: each expert takes at most `ceil(factor · tokens · top_k / E)`
+    /// rows from each rank per forward; `None` (and no `expert_capacity`) = dropless.
+    pub capacity_factor: Option<f64>,
+    /// Capacity-bounded dispatch with an explicit capacity: rows per expert per source rank.
+    pub expert_capacity: Option<u64>,
+    pub capacity_overflow: CapacityOverflow,
+    pub aux_loss_scope: AuxLossScope,
+    /// Coefficient of the router z-loss (mean squared log-sum-exp of the router logits); 0 = off.
+    pub router_z_loss_coef: f64,
+    /// Aux-loss-free balancing (DeepSeek-V3): the per-expert routing bias moves by this much per
+    /// optimizer step towards balance; `None` = off.
+    pub expert_bias_update_rate: Option<f64>,
 }
 
 impl Default for DistConfig {
@@ -127,6 +188,12 @@ impl Default for DistConfig {
             hook_modules: Vec::new(),
             fsdp_implementation: FsdpImplementation::Native,
             efsdp_size: None,
+            capacity_factor: None,
+            expert_capacity: None,
+            capacity_overflow: CapacityOverflow::Drop,
+            aux_loss_scope: AuxLossScope::Global,
+            router_z_loss_coef: 0.0,
+            expert_bias_update_rate: None,
         }
     }
 }
@@ -203,8 +270,8 @@ const CHUNK_SIZES: [u32; 3] = [16, 32, 64];
 /// The default `kernel_config.chunk_size`.
 const DEFAULT_CHUNK_SIZE: u32 = 64;
 
-/// The keys of `dist_config` (the fields of `FSDPTurboParams`, plus `efsdp_size`).
-const DIST_FIELDS: [&str; 11] = [
+/// The keys of `dist_config` (the fields of `FSDPTurboParams`, plus our extensions).
+const DIST_FIELDS: [&str; 17] = [
     "name",
     "reshard_after_forward",
     "offload_params",
@@ -216,6 +283,12 @@ const DIST_FIELDS: [&str; 11] = [
     "hook_modules",
     "fsdp_implementation",
     "efsdp_size",
+    "capacity_factor",
+    "expert_capacity",
+    "capacity_overflow",
+    "aux_loss_scope",
+    "router_z_loss_coef",
+    "expert_bias_update_rate",
 ];
 /// The public topology fields: top level of the training YAML.
 const TOPOLOGY_FIELDS: [&str; 6] =

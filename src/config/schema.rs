@@ -231,7 +231,62 @@ pub(super) fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<Dis
     if let Some((p, v)) = field("efsdp_size") {
         d.efsdp_size = optional(v, |v| size(cx, &p, "efsdp_size", v));
     }
+    capacity(cx, path, &map, &mut d);
+    if let Some((p, v)) = field("aux_loss_scope") {
+        if let Some(scope) = choice(cx, &p, v, &AuxLossScope::ALL, AuxLossScope::as_str) {
+            d.aux_loss_scope = scope;
+        }
+    }
+    if let Some((p, v)) = field("router_z_loss_coef") {
+        d.router_z_loss_coef = number(cx, &p, v, Bound::AtLeastZero).unwrap_or(0.0);
+    }
+    if let Some((p, v)) = field("expert_bias_update_rate") {
+        d.expert_bias_update_rate = optional(v, |v| number(cx, &p, v, Bound::Positive));
+    }
     Some(d)
+}
+
+/// `capacity_factor`, `expert_capacity` (at most one) and `capacity_overflow` (only with one).
+fn capacity(cx: &mut Cx, path: &Path, map: &Mapping, d: &mut DistConfig) {
+    let field = |name: &str| map.get(name).filter(|v| !v.is_null()).map(|v| (path.key(name), v));
+    let factor = field("capacity_factor");
+    let tokens = field("expert_capacity");
+    if let Some((p, v)) = &factor {
+        d.capacity_factor = number(cx, p, v, Bound::Positive);
+    }
+    if let Some((p, v)) = &tokens {
+        d.expert_capacity = size(cx, p, "expert_capacity", v);
+    }
+    if let (Some(_), Some((p, _))) = (&factor, &tokens) {
+        cx.err(
+            p,
+            "give either capacity_factor (capacity from the token count) or expert_capacity (rows \
+             per expert per rank), not both",
+        );
+    }
+    if let (Some((p, _)), Dispatcher::Mc2 | Dispatcher::Domino) =
+        (factor.as_ref().or(tokens.as_ref()), d.ep_dispatcher)
+    {
+        cx.err(
+            p,
+            format!(
+                "the capacity-bounded dispatch runs with ep_dispatcher 'eager' or 'fused', got {}",
+                py_str(d.ep_dispatcher.as_str())
+            ),
+        );
+    }
+    if let Some((p, v)) = field("capacity_overflow") {
+        if let Some(policy) = choice(cx, &p, v, &CapacityOverflow::ALL, CapacityOverflow::as_str) {
+            d.capacity_overflow = policy;
+        }
+        if factor.is_none() && tokens.is_none() {
+            cx.err(
+                &p,
+                "capacity_overflow needs a capacity: set capacity_factor or expert_capacity (without \
+                 one the dispatch is dropless and nothing overflows)",
+            );
+        }
+    }
 }
 
 pub(super) fn dist_hint(key: &str) -> Option<String> {
@@ -525,6 +580,47 @@ pub(super) fn string_list(cx: &mut Cx, path: &Path, value: &Value) -> Option<Vec
     let out: Vec<Option<String>> =
         items.iter().enumerate().map(|(i, item)| string(cx, &path.index(i), item)).collect();
     out.into_iter().collect()
+}
+
+/// One of `options`, by its YAML name (exact, case-sensitive).
+pub(super) fn choice<T: Copy>(
+    cx: &mut Cx,
+    path: &Path,
+    value: &Value,
+    options: &[T],
+    name: fn(T) -> &'static str,
+) -> Option<T> {
+    let given = string(cx, path, value)?;
+    let found = options.iter().copied().find(|o| name(*o) == given);
+    if found.is_none() {
+        let accepted = py_list(options.iter().map(|o| name(*o).to_string()).collect::<Vec<_>>());
+        cx.err(path, format!("expected one of {accepted}, got {}", py_str(&given)));
+    }
+    found
+}
+
+/// What a real number must be.
+#[derive(Clone, Copy)]
+pub(super) enum Bound {
+    Positive,
+    AtLeastZero,
+}
+
+/// A finite real number (an integer is accepted) within `bound`.
+pub(super) fn number(cx: &mut Cx, path: &Path, value: &Value, bound: Bound) -> Option<f64> {
+    let Some(x) = value.as_f64() else {
+        cx.err(path, format!("expected a number, got {}", describe(value)));
+        return None;
+    };
+    let (ok, accepted) = match bound {
+        Bound::Positive => (x > 0.0, "a finite number > 0"),
+        Bound::AtLeastZero => (x >= 0.0, "a finite number ≥ 0"),
+    };
+    if ok && x.is_finite() {
+        return Some(x);
+    }
+    cx.err(path, format!("expected {accepted}, got {}", py_float(x)));
+    None
 }
 
 /// A size: an integer ≥ 1 (`{field} must be positive, got N.`, the seed's ep_size text).

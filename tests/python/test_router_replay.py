@@ -26,14 +26,14 @@ def _routers(model):
 def _flip_when_recomputed(model):
     """Makes every router pick other experts whenever it runs inside backward (a recomputation),
     as nondeterministic kernels or a near tie could."""
-    from fsdpturbo.router_replay import _in_backward
+    from fsdpturbo.recompute import in_recomputation
 
     for router in _routers(model).values():
         original = router.ft_routes.original
 
         def flipped(hidden, original=original, experts=router.num_experts):
             logits, scores, indices = original(hidden)
-            return (logits, scores, (indices + 1) % experts) if _in_backward() else (logits, scores, indices)
+            return (logits, scores, (indices + 1) % experts) if in_recomputation() else (logits, scores, indices)
 
         router.ft_routes.original = flipped
 

@@ -16,6 +16,7 @@ from .config import TrainConfig
 from .consistency import check_same_on_every_rank, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
+from .dispatch import Capacity
 from .ep import EPPlanConfig, expert_parallelize_modules
 from .layers import decoder_layers
 from .norm import warmup_grad_norm
@@ -168,7 +169,7 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
         efsdp = state.efsdp_size > 1
         ep_plan = EPPlanConfig(apply_modules=expert_names, dispatcher=dist_cfg.get("ep_dispatcher", "eager"),
                                apply_efsdp_modules=plan["efsdp_modules"] if efsdp else expert_names,
-                               gradient_divide_factor=factor)
+                               gradient_divide_factor=factor, capacity=Capacity.from_dist_config(dist_cfg))
         fsdp_plan = FSDPPlanConfig(apply_modules={}, hook_modules=dist_cfg.get("hook_modules", []) if efsdp else [],
                                    fsdp_implementation=dist_cfg.get("fsdp_implementation", "native"))
         expert_parallelize_modules(model, state.sub_mesh("ep"), ep_plan)

@@ -29,6 +29,7 @@ class EPPlanConfig:
     apply_efsdp_modules: List[str] = None
     moonep_config: Optional[object] = None
     gradient_divide_factor: Optional[float] = None
+    capacity: Optional[dispatch.Capacity] = None  # ours: the capacity-bounded dispatch (None: dropless)
 
 
 def distribute_expert_weights(module, ep_mesh):
@@ -64,10 +65,10 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     dispatcher = getattr(plan.dispatcher, "__qualname__", plan.dispatcher)
     check_same_on_every_rank({"ep size": ep_mesh.size(), "model structure": model_structure(model),
                               "EP plan": (plan.apply_modules, dispatcher, plan.fixed_router, plan.apply_efsdp_modules,
-                                          plan.gradient_divide_factor)}, "expert_parallelize_modules")
+                                          plan.gradient_divide_factor, plan.capacity)}, "expert_parallelize_modules")
     ep_group = ep_mesh.get_group()
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router)
+    forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router, capacity=plan.capacity)
     reduction = GradientReduction(tuple(replica_groups(ep_mesh)), gradient_divide_factor(plan))
     names = []
     for name, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
@@ -76,6 +77,7 @@ def expert_parallelize_modules(model, ep_mesh, plan):
         if num_experts % ep_size:
             raise AssertionError(f"Number of experts({num_experts}) is not divisible by ep size({ep_size}).")
         local = num_experts // ep_size
+        module.ft_name = name
         module.num_global_experts = num_experts
         module.num_local_experts = local
         module.local_expert_indices = [ep_rank * local + i for i in range(local)]

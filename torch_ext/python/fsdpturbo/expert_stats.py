@@ -13,26 +13,30 @@ import math
 import torch
 import torch.distributed as dist
 
+from .recompute import in_recomputation
+
 __all__ = ["expert_load", "expert_load_table", "load_summary", "record"]
 
 _COUNTS = "ft_expert_load"
+_DROPPED = "ft_expert_dropped"
 
 
-def _in_backward():
-    """True while autograd runs a backward: the forward running now is a recomputation
-    (activation checkpointing, reentrant or not)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def record(module, local_counts):
-    """Adds this rank's rows per global expert [E] (int64, on the device) to `module`'s tally."""
-    if _in_backward():
+def record(module, local_counts, dropped=None):
+    """Adds this rank's rows per global expert [E] (int64, on the device) to `module`'s tally,
+    and `dropped` (those of them the capacity-bounded dispatch dropped) to its drop tally."""
+    if in_recomputation():
         return
-    tally = getattr(module, _COUNTS, None)
-    if tally is None or tally.device != local_counts.device:
-        setattr(module, _COUNTS, local_counts.detach().to(torch.int64).clone())
+    _add(module, _COUNTS, local_counts)
+    if dropped is not None:
+        _add(module, _DROPPED, dropped)
+
+
+def _add(module, attribute, counts):
+    tally = getattr(module, attribute, None)
+    if tally is None or tally.device != counts.device:
+        setattr(module, attribute, counts.detach().to(torch.int64).clone())
     else:
-        tally.add_(local_counts.detach())
+        tally.add_(counts.detach())
 
 
 def _ep_modules(model):
@@ -45,18 +49,20 @@ def _device_of(model):
     return torch.device("cpu") if device.type == "meta" else device
 
 
-def expert_load(model, *, reset=True, group=None):
+def expert_load(model, *, reset=True, group=None, with_dropped=False):
     """{EP module name: int64 tensor [E] on the CPU}: tokens routed to each expert of the module
     (a token counts once per expert of its top-k) since the last reset, summed over every rank
     of `group` (default: the world) in one all-reduce. The same on every rank; collective.
-    `reset`: start the next count from zero."""
+    `reset`: start the next count from zero. `with_dropped`: also return, in the same form, the
+    routed tokens the capacity-bounded dispatch dropped (zeros for a dropless module)."""
     modules = _ep_modules(model)
     if not modules:
         raise ValueError("fsdpturbo.expert_load: the model has no expert-parallel module (expert "
                          "parallelism with ep_size > 1 installs them; with ep_size 1 the experts run unchanged)")
-    tallies = [getattr(m, _COUNTS, None) for _, m in modules]
+    attributes = (_COUNTS, _DROPPED) if with_dropped else (_COUNTS,)
+    tallies = [getattr(m, a, None) for a in attributes for _, m in modules]
     device = next((t.device for t in tallies if t is not None), None) or _device_of(model)
-    sizes = [m.num_global_experts for _, m in modules]
+    sizes = [m.num_global_experts for _, m in modules] * len(attributes)
     flat = torch.cat([t if t is not None else torch.zeros(e, dtype=torch.int64, device=device)
                       for t, e in zip(tallies, sizes)])
     if dist.is_initialized():
@@ -65,13 +71,17 @@ def expert_load(model, *, reset=True, group=None):
         for tally in tallies:
             if tally is not None:
                 tally.zero_()
-    return dict(zip((name for name, _ in modules), flat.cpu().split(sizes)))
+    names = [name for name, _ in modules]
+    parts = flat.cpu().split(sizes)
+    loads = dict(zip(names, parts[:len(names)]))
+    return (loads, dict(zip(names, parts[len(names):]))) if with_dropped else loads
 
 
-def load_summary(loads):
+def load_summary(loads, dropped=None):
     """Figures a trainer can log, from `expert_load`'s result: per module `{name}/max_over_mean`
     and `{name}/cv` (coefficient of variation), and over all modules `tokens`, `max_over_mean`
-    (the worst module's), `cv` (the mean) and `idle_experts` (experts that got no token)."""
+    (the worst module's), `cv` (the mean) and `idle_experts` (experts that got no token); with
+    `dropped` (`expert_load(..., with_dropped=True)`), `dropped_tokens` and `dropped_fraction`."""
     out, ratios, cvs, idle, tokens = {}, [], [], 0, 0
     for name, load in loads.items():
         counts = load.double()
@@ -85,6 +95,9 @@ def load_summary(loads):
         tokens += int(load.sum())
     out.update(tokens=tokens, max_over_mean=max(ratios, default=0.0),
                cv=sum(cvs) / len(cvs) if cvs else 0.0, idle_experts=idle)
+    if dropped is not None:
+        drops = sum(int(d.sum()) for d in dropped.values())
+        out.update(dropped_tokens=drops, dropped_fraction=drops / tokens if tokens else 0.0)
     return out
 
 

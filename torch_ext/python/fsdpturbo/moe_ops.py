@@ -37,7 +37,7 @@ def _unpermute_backward(ctx, grad):
         grad_permuted = grad_permuted * slot_weight.unsqueeze(-1)
         inverse = torch.empty_like(permutation)
         inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-        per_slot = permuted.index_select(0, inverse).view(ctx.tokens, ctx.top_k, -1)
+        per_slot = permuted.index_select(0, inverse).view(ctx.tokens, ctx.top_k, permuted.size(1))
         grad_probs = (per_slot * grad.unsqueeze(1)).sum(-1).to(probs.dtype).view_as(probs)
     return grad_permuted, None, grad_probs, None, None
 

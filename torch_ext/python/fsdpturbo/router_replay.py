@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from .recompute import in_recomputation
+
 __all__ = ["install", "record_routes", "replay_routes"]
 
 # Router classes whose selection is softmax → top-k (→ renormalised when this says so).
@@ -49,10 +51,6 @@ def _scores(router, logits, indices):
     return top.to(logits.dtype)
 
 
-def _in_backward():
-    return torch._C._current_graph_task_id() != -1
-
-
 def _next_replayed(router, name, logits):
     routes = router.ft_routes
     if not routes.replaying:
@@ -78,8 +76,10 @@ def _routed_forward(self, hidden_states):
     the same operations (checkpointing requires the recomputation to save what the first
     forward saved); a forward that is neither returns the router's own result untouched."""
     routes = self.ft_routes
+    if torch.compiler.is_compiling() and routes.recording is None and routes.replaying is None:
+        return routes.original(hidden_states)  # a compiled backward recomputes without running Python
     logits, scores, indices = routes.original(hidden_states)
-    if _in_backward():
+    if in_recomputation():
         if not routes.pending:  # a recomputation nothing was recorded for (reentrant checkpointing)
             return logits, scores, indices
         taken = routes.pending.pop()

@@ -12,6 +12,7 @@ import types
 from typing import Callable, Optional
 
 from . import mc2
+from .capacity import Capacity, capacity_forward
 from .eager import domino_forward, eager_forward
 from .fused import fused_forward
 
@@ -47,15 +48,15 @@ def lookup(name):
 
 
 class BoundDispatcher:
-    """A dispatcher's forward bound to an EP group: `(module, hidden_states, top_k_index,
-    top_k_weights)`."""
+    """A dispatcher's forward bound to an EP group (and its other keyword `options`):
+    `(module, hidden_states, top_k_index, top_k_weights)`."""
 
-    def __init__(self, forward, ep_group, fixed_router=False):
-        self.forward, self.ep_group, self.fixed_router = forward, ep_group, fixed_router
+    def __init__(self, forward, ep_group, fixed_router=False, **options):
+        self.forward, self.ep_group, self.fixed_router, self.options = forward, ep_group, fixed_router, options
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
         return self.forward(module, hidden_states, top_k_index, top_k_weights, ep_group=self.ep_group,
-                            fixed_router=self.fixed_router)
+                            fixed_router=self.fixed_router, **self.options)
 
 
 class UserDispatcher:
@@ -69,9 +70,20 @@ class UserDispatcher:
         return self.fn(self.ep_group, module, hidden_states, top_k_index, top_k_weights)
 
 
-def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False):
+# The dispatchers with a capacity-bounded mode, and whether it runs the op library's kernels.
+CAPACITY_KERNELS = {"eager": False, "fused": True}
+
+
+def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False, capacity=None):
     """The forward for `dispatcher` (a name, or a callable bound to the group, as the seed
-    selects), as `forward(module, hidden_states, top_k_index, top_k_weights)`."""
+    selects), as `forward(module, hidden_states, top_k_index, top_k_weights)`; with a
+    `Capacity`, its capacity-bounded mode (eager and fused only)."""
+    if capacity is not None:
+        if dispatcher not in CAPACITY_KERNELS:
+            raise ValueError(f"fsdpturbo: the capacity-bounded dispatch runs with the dispatchers "
+                             f"{sorted(CAPACITY_KERNELS)}, got {getattr(dispatcher, '__qualname__', dispatcher)!r}")
+        return BoundDispatcher(capacity_forward, ep_group, fixed_router, capacity=capacity,
+                               grouped_kernel=CAPACITY_KERNELS[dispatcher])
     if callable(dispatcher):
         return UserDispatcher(dispatcher, ep_group)
     entry = lookup(dispatcher)
@@ -93,5 +105,5 @@ def install(module, forward):
     module.forward = types.MethodType(moe_forward, module)
 
 
-__all__ = ["BoundDispatcher", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher", "check_implemented",
+__all__ = ["BoundDispatcher", "CAPACITY_KERNELS", "Capacity", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher", "check_implemented",
            "get_dispatcher_fn", "install", "lookup", "moe_forward"]

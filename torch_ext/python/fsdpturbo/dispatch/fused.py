@@ -3,47 +3,44 @@
 `torch._grouped_mm` on CUDA), or on Ascend NPUs (and their test double) the aclnn token
 permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
 import dataclasses
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .._native import ops
 from . import device, experts
-from .pipeline import Strategy, run
+from .pipeline import Receive, Strategy, run
 
 
 @dataclasses.dataclass
 class Route:
     permutation: torch.Tensor           # slot rows in send order (`moe_route`)
     top_k: int
-    input_splits: List[int]
-    output_splits: List[int]
-    per_expert: torch.Tensor            # rows per local expert (`moe_receive`)
+    receive: Receive
+    per_expert: torch.Tensor            # rows per local expert
     local_order: torch.Tensor           # receive order → local-expert-major
 
 
 class FusedStrategy(Strategy):
-    """The op library's kernels: `moe_route` counts and sorts in one pass, `moe_receive` derives
-    what this rank receives from the gathered counts."""
+    """The op library's kernels: `moe_route` counts and sorts in one pass."""
 
     @staticmethod
     def count(index, num_experts, ep_size):
-        counts, permutation, splits = ops.moe_route(index, num_experts, ep_size)
-        return counts, (permutation, splits)
+        counts, permutation, _ = ops.moe_route(index, num_experts, ep_size)
+        return counts, permutation
 
-    def route(self, module, index, counts, kept, ep_group):
-        permutation, splits = kept
-        per_expert, output_splits, local_order = ops.moe_receive(counts, dist.get_rank(ep_group))
-        return Route(permutation=permutation, top_k=index.size(1), input_splits=splits.tolist(),
-                     output_splits=output_splits.tolist(), per_expert=per_expert, local_order=local_order)
+    def route(self, module, index, receive, permutation, ep_group):
+        per_expert = torch.tensor(receive.tokens_per_local_expert, dtype=torch.int64, device=index.device)
+        return Route(permutation=permutation, top_k=index.size(1), receive=receive, per_expert=per_expert,
+                     local_order=receive.local_order(module.num_local_experts, index.device))
 
     def permute(self, hidden, route):
         return ops.moe_permute(hidden.contiguous(), route.permutation, route.top_k)
 
     def compute(self, module, received, route, ep_group):
         grouped = ops.moe_permute(received, route.local_order, 1)
-        out = experts.grouped_mlp(module, grouped, route.per_expert, route.per_expert.tolist())
+        out = experts.grouped_mlp(module, grouped, route.per_expert, route.receive.tokens_per_local_expert)
         return ops.moe_unpermute(out, route.local_order, None, out.size(0), 1)
 
     def unpermute(self, back, route, weights):
@@ -55,28 +52,16 @@ class FusedStrategy(Strategy):
 class HostRoute:
     """Routing by expert id with the counts on the host (the NPU kernels and mc2)."""
     index: torch.Tensor                 # the slice's expert ids [t, K]
-    sends: List[int]                    # my rows per global expert
-    blocks: List[int]                   # rows each rank sends to each of my local experts, [P·L] source-major
-    input_splits: List[int]
-    output_splits: List[int]
-    tokens_per_local_expert: List[int]
+    receive: Receive
     slot_rows: Optional[torch.Tensor] = None  # set by `permute`: each slot's row, for the combine
 
 
 class TokenPermuteStrategy(Strategy):
-    """The NPU kernels: counts by bincount on the device (one host copy of the gathered counts),
-    both permutes by expert id (`aclnnMoeTokenPermute`), both combines by slot rows
-    (`aclnnMoeTokenUnpermute`)."""
+    """The NPU kernels: both permutes by expert id (`aclnnMoeTokenPermute`), both combines by
+    slot rows (`aclnnMoeTokenUnpermute`)."""
 
-    def route(self, module, index, counts, kept, ep_group):
-        local, ep_size, ep_rank = module.num_local_experts, dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        counts = counts.tolist()
-        sends = counts[ep_rank]
-        blocks = [n for row in counts for n in row[ep_rank * local:(ep_rank + 1) * local]]
-        return HostRoute(index=index, sends=sends, blocks=blocks,
-                         input_splits=[sum(sends[p * local:(p + 1) * local]) for p in range(ep_size)],
-                         output_splits=[sum(blocks[p * local:(p + 1) * local]) for p in range(ep_size)],
-                         tokens_per_local_expert=[sum(blocks[j::local]) for j in range(local)])
+    def route(self, module, index, receive, kept, ep_group):
+        return HostRoute(index=index, receive=receive)
 
     def permute(self, hidden, route):
         permuted, route.slot_rows = ops.moe_token_permute(hidden.contiguous(), route.index)
@@ -85,10 +70,10 @@ class TokenPermuteStrategy(Strategy):
     def compute(self, module, received, route, ep_group):
         local, ep_size, dev = module.num_local_experts, dist.get_world_size(ep_group), received.device
         local_ids = torch.arange(local, device=dev).repeat(ep_size).repeat_interleave(
-            torch.tensor(route.blocks, device=dev))
+            torch.tensor(route.receive.blocks, device=dev))
         grouped, local_rows = ops.moe_token_permute(received, local_ids)
-        per_expert = torch.tensor(route.tokens_per_local_expert, dtype=torch.int64, device=dev)
-        out = experts.grouped_mlp(module, grouped, per_expert, route.tokens_per_local_expert)
+        per_expert = torch.tensor(route.receive.tokens_per_local_expert, dtype=torch.int64, device=dev)
+        out = experts.grouped_mlp(module, grouped, per_expert, route.receive.tokens_per_local_expert)
         return ops.moe_token_unpermute(out, local_rows, None)
 
     def unpermute(self, back, route, weights):

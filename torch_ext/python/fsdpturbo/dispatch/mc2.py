@@ -112,8 +112,9 @@ class Mc2Strategy(TokenPermuteStrategy):
 
     def compute(self, module, received, route, ep_group):
         gate_up, down = experts.expert_weights(module)
-        hidden = experts.activation(module, alltoallv_gmm(received, gate_up, ep_group, route.sends, route.blocks))
-        return gmm_alltoallv(hidden, down, ep_group, route.blocks, route.sends)
+        sends, blocks = route.receive.sends, route.receive.blocks
+        hidden = experts.activation(module, alltoallv_gmm(received, gate_up, ep_group, sends, blocks))
+        return gmm_alltoallv(hidden, down, ep_group, blocks, sends)
 
     def combine(self, y, route, weights, ep_group):
         return self.unpermute(y, route, weights)

@@ -3,15 +3,18 @@
     prepare → counts → route → dispatch → expert compute → combine
 
 `prepare` normalises the router's output; `counts` counts each slice's rows per global expert
-and all-gathers them over the EP group (ids outside [0, E) fail on every rank: no rank hangs;
-this rank's counts go to `fsdpturbo.expert_stats`);
-a `Strategy` turns the gathered counts into routing metadata (`route`, split sizes on the host
-before any all-to-all: DESIGN §4.5), sends the rows to their experts' ranks (`dispatch`),
+and all-gathers them over the EP group (this rank's counts go to `fsdpturbo.expert_stats`);
+the gathered counts are read on the host once (ids outside [0, E) then fail on every rank: no
+rank hangs) and give each slice's split sizes (a `Receive`: on the host before any
+all-to-all, DESIGN §4.5); a `Strategy` turns them into routing metadata (`route`), sends the rows to their experts' ranks (`dispatch`),
 regroups them by local expert around the expert compute (`compute`, fsdpturbo.dispatch.experts)
 and brings them back, weighted by the router (`combine`). A dispatcher is a strategy and a
 number of slices: with two (domino) every slice's dispatch is issued before the first slice's
 experts run, so the second all-to-all is in flight meanwhile.
 """
+import dataclasses
+from typing import List
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -62,19 +65,15 @@ def shaped_like(out, hidden_states):
 def gathered_counts(index_per_slice, num_experts, ep_group, count):
     """Each slice's expert counts (`count(index, num_experts, ep_size)` → (counts [E], what the
     strategy keeps of it)), all-gathered over the EP group: ([P, S, E + 1], kept per slice). The
-    extra column carries "this rank has out-of-range ids" (`count` is then not called), so a bad
-    rank fails everywhere instead of leaving the others waiting in the next collective."""
+    extra column carries "this rank has out-of-range ids" (counted as expert 0 meanwhile: no host
+    read here), so a bad rank fails everywhere instead of leaving the others waiting in the next
+    collective."""
     world = dist.get_world_size(ep_group)
     rows, kept = [], []
     for index in index_per_slice:
-        flat = index.reshape(-1)
-        row = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-        keep = None
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-            row[num_experts] = 1
-        else:
-            row[:num_experts], keep = count(index, num_experts, world)
-        rows.append(row)
+        out_of_range = (index < 0) | (index >= num_experts)
+        counts, keep = count(torch.where(out_of_range, 0, index), num_experts, world)
+        rows.append(torch.cat([counts, out_of_range.any().reshape(1).to(counts.dtype)]))
         kept.append(keep)
     local = torch.stack(rows)
     gathered = torch.empty((world * local.size(0), local.size(1)), dtype=local.dtype, device=local.device)
@@ -83,13 +82,18 @@ def gathered_counts(index_per_slice, num_experts, ep_group, count):
 
 
 def bincount(index, num_experts, ep_size):
-    """The default count: rows per global expert, nothing kept."""
-    return torch.bincount(index.reshape(-1).long(), minlength=num_experts), None
+    """The default count: rows per global expert, nothing kept (a scatter-add: its shape does
+    not depend on the ids, unlike torch.bincount's)."""
+    flat = index.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat)), \
+        None
 
 
-def check_ids(flat, top_k, num_experts, gathered, ep_group):
-    """Raises on every rank when any rank of the group routed to an id outside [0, E)."""
-    if int(gathered[..., num_experts].sum()) == 0:
+def check_ids(flat, top_k, num_experts, host_counts, ep_group):
+    """Raises on every rank when any rank of the group routed to an id outside [0, E)
+    (`host_counts`: the gathered counts on the host, [P][S][E + 1])."""
+    offenders = [p for p, rank_rows in enumerate(host_counts) if any(row[num_experts] for row in rank_rows)]
+    if not offenders:
         return
     bad = ((flat < 0) | (flat >= num_experts)).nonzero()
     if bad.numel():
@@ -97,9 +101,35 @@ def check_ids(flat, top_k, num_experts, gathered, ep_group):
         raise ValueError(f"expert id {int(flat[j])} at token {j // top_k}, slot {j % top_k} is outside "
                          f"[0, {num_experts}): top_k_index must hold expert ids of this layer")
     ranks = dist.get_process_group_ranks(ep_group)
-    offenders = [ranks[s] for s in range(gathered.size(0)) if int(gathered[s, :, num_experts].sum())]
-    raise ValueError(f"expert ids outside [0, {num_experts}) on rank(s) {offenders} of this EP group; "
-                     f"every rank of the group stops")
+    raise ValueError(f"expert ids outside [0, {num_experts}) on rank(s) {[ranks[p] for p in offenders]} of this EP "
+                     f"group; every rank of the group stops")
+
+
+@dataclasses.dataclass
+class Receive:
+    """What this rank sends and receives, from the gathered counts of one slice on the host."""
+    sends: List[int]                    # my rows per global expert
+    input_splits: List[int]             # rows I send to each ep rank
+    output_splits: List[int]            # rows I receive from each ep rank
+    blocks: List[int]                   # rows each rank sends to each of my local experts, [P·L] source-major
+    tokens_per_local_expert: List[int]
+
+    @classmethod
+    def of(cls, host_counts, ep_rank, local):
+        """From the slice's gathered counts [P][E] (Python ints)."""
+        ep_size = len(host_counts)
+        sends = host_counts[ep_rank]
+        blocks = [n for row in host_counts for n in row[ep_rank * local:(ep_rank + 1) * local]]
+        return cls(sends=sends, input_splits=[sum(sends[p * local:(p + 1) * local]) for p in range(ep_size)],
+                   output_splits=[sum(blocks[p * local:(p + 1) * local]) for p in range(ep_size)], blocks=blocks,
+                   tokens_per_local_expert=[sum(blocks[j::local]) for j in range(local)])
+
+    def local_order(self, local, device):
+        """The received rows (source-major, each source's rows by local expert) in
+        local-expert-major order (stable): a permutation of the received rows."""
+        bounds = torch.tensor(self.blocks, dtype=torch.int64, device=device).cumsum(0)
+        block = torch.searchsorted(bounds, torch.arange(sum(self.blocks), device=device), right=True)
+        return torch.argsort(block % local, stable=True)
 
 
 def all_to_all(x, output_splits, input_splits, ep_group):
@@ -118,12 +148,13 @@ def inverse(permutation):
 class Strategy:
     """How one dispatcher does the steps after the counts. `count` (default: bincount) may keep
     what it computed for `route`; `dispatch` and `combine` default to a local permute around the
-    all-to-all (`route.input_splits` rows sent to each rank, `route.output_splits` received)."""
+    all-to-all (`route.receive`: the rows sent to and received from each rank)."""
 
     count = staticmethod(bincount)
 
-    def route(self, module, index, counts, kept, ep_group):
-        """Routing metadata of one slice from its ids [t, K] and the gathered counts [P, E]."""
+    def route(self, module, index, receive, kept, ep_group):
+        """Routing metadata of one slice from its ids [t, K] and what this rank sends and
+        receives (a `Receive`)."""
         raise NotImplementedError
 
     def permute(self, hidden, route):
@@ -131,14 +162,16 @@ class Strategy:
         raise NotImplementedError
 
     def dispatch(self, hidden, route, ep_group):
-        return all_to_all(self.permute(hidden, route), route.output_splits, route.input_splits, ep_group)
+        return all_to_all(self.permute(hidden, route), route.receive.output_splits, route.receive.input_splits,
+                          ep_group)
 
     def compute(self, module, received, route, ep_group):
         """The local experts on the received rows; rows in the order they were received."""
         raise NotImplementedError
 
     def combine(self, y, route, weights, ep_group):
-        return self.unpermute(all_to_all(y, route.input_splits, route.output_splits, ep_group), route, weights)
+        return self.unpermute(all_to_all(y, route.receive.input_splits, route.receive.output_splits, ep_group), route,
+                              weights)
 
     def unpermute(self, back, route, weights):
         """The returned rows combined into one row per token, weighted by the router."""
@@ -158,10 +191,15 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
         bounds = [(min(i * size, tokens), min((i + 1) * size, tokens)) for i in range(slices)]
         parts = [(hidden[a:b], index[a:b], weights[a:b]) for a, b in bounds]
     counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
-    check_ids(index.reshape(-1), top_k, num_experts, counts, ep_group)
-    expert_stats.record(module, counts[dist.get_rank(ep_group), :, :num_experts].sum(0))
-    routes = [strategy.route(module, part[1], counts[:, i, :num_experts], kept[i], ep_group)
-              for i, part in enumerate(parts)]
+    ep_rank = dist.get_rank(ep_group)
+    expert_stats.record(module, counts[ep_rank, :, :num_experts].sum(0))
+    # The dispatch's one host read (a graph break under torch.compile): the split sizes of the
+    # all-to-alls, which must be on the host before they start (DESIGN §4.5).
+    host_counts = counts.tolist()
+    check_ids(index.reshape(-1), top_k, num_experts, host_counts, ep_group)
+    local = module.num_local_experts
+    routes = [strategy.route(module, part[1], Receive.of([row[i][:num_experts] for row in host_counts], ep_rank, local),
+                             kept[i], ep_group) for i, part in enumerate(parts)]
     received = [strategy.dispatch(part[0], route, ep_group) for part, route in zip(parts, routes)]
     outputs = [strategy.combine(strategy.compute(module, rows, route, ep_group), route, part[2], ep_group)
                for part, rows, route in zip(parts, received, routes)]

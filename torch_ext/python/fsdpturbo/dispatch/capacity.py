@@ -1,0 +1,164 @@
+"""The capacity-bounded dispatch (`dist_config.capacity_factor` or `expert_capacity`): static
+shapes end to end and no device-to-host copy in forward or backward, so an EP block compiles
+with `fullgraph=True` and can be captured in a CUDA graph.
+
+Each rank sends every expert at most C rows: C = `expert_capacity`, or
+ceil(capacity_factor · tokens · top_k / experts) from this rank's token count (so with a
+factor every rank of an EP group must forward the same number of tokens). A slot's place in
+its expert's C rows is its rank among this rank's slots of that expert, in slot order (token
+by token, k by k). The send buffer is [E · C, H] (expert-major, so rank p's block is its L
+local experts' rows): one all-to-all with equal splits out and one back. The receiving rank
+runs its experts on [L, P · C, H], empty rows included (zeros in, zeros out: the expert MLP
+has no bias); each token then combines its slots' rows, weighted by the router, exactly as the
+dropless dispatchers do.
+
+Slots over capacity follow `capacity_overflow`: `drop` (the slot skips its expert and adds
+nothing; counted by `fsdpturbo.expert_load(..., with_dropped=True)`) or `fail` (every rank of
+the EP group raises, naming the layer, the expert and each rank's count; this reads one
+all-gathered count on the host, so `fail` is not sync-free). Expert ids outside [0, E) stop
+the run through a device-side assert (no host sync; on CPU it raises at once).
+
+With C ≥ every expert's load this equals the dropless dispatch: bitwise `fused` (the same
+kernels on the same rows, in the same order), and `eager` up to the GEMM's rounding (a batched
+matmul over the padded rows instead of one matmul per expert).
+"""
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
+
+from .. import expert_stats
+from .._native import ops
+from . import experts
+from .eager import weighted_sum
+from .pipeline import all_to_all, prepare, shaped_like
+
+OVERFLOW_POLICIES = ("drop", "fail")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """How many rows each expert takes from each rank per forward: `tokens` rows, or
+    ceil(`factor` · tokens · top_k / experts) of the forward's own token count; and what
+    happens to slots over it (`overflow`: "drop" or "fail")."""
+    factor: Optional[float] = None
+    tokens: Optional[int] = None
+    overflow: str = "drop"
+
+    def __post_init__(self):
+        if (self.factor is None) == (self.tokens is None):
+            raise ValueError(f"fsdpturbo: a capacity needs exactly one of factor and tokens, got factor={self.factor}, "
+                             f"tokens={self.tokens}")
+        if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"fsdpturbo: the capacity factor must be a finite number > 0, got {self.factor}")
+        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int)
+                                        or self.tokens < 1):
+            raise ValueError(f"fsdpturbo: the expert capacity must be an integer ≥ 1, got {self.tokens!r}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"fsdpturbo: capacity overflow must be one of {list(OVERFLOW_POLICIES)}, "
+                             f"got {self.overflow!r}")
+
+    @classmethod
+    def from_dist_config(cls, dist_config):
+        """The capacity of a validated `dist_config` dict (`TrainConfig.values["dist"]`), or None
+        (dropless)."""
+        factor, tokens = dist_config.get("capacity_factor"), dist_config.get("expert_capacity")
+        if factor is None and tokens is None:
+            return None
+        return cls(factor=factor, tokens=tokens, overflow=dist_config.get("capacity_overflow", "drop"))
+
+    def rows(self, tokens, top_k, num_experts):
+        """C: the rows each expert takes from one rank in a forward of `tokens` tokens."""
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, math.ceil(self.factor * tokens * top_k / num_experts))
+
+
+def _slot_places(ids, num_experts):
+    """Each slot's place among this rank's slots of its expert (slot order), and the slots per
+    expert [E + 1] (the last: ids outside [0, E)). Static shapes: a stable sort and a cumsum."""
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    starts = torch.cumsum(counts, 0) - counts
+    place_sorted = torch.arange(ids.numel(), device=ids.device) - starts.index_select(0, ids.index_select(0, order))
+    return torch.empty_like(place_sorted).index_copy_(0, order, place_sorted), counts
+
+
+def _check_overflow(module, counts, capacity_rows, ep_group):
+    """`capacity_overflow: fail`: every rank of the EP group raises when any rank sent any
+    expert more than C slots (one all-gather of the counts, read on the host)."""
+    gathered = funcol.all_gather_tensor(counts, 0, ep_group).view(-1, counts.numel())
+    name = getattr(module, "ft_name", type(module).__name__)
+    if torch.compiler.is_compiling():
+        torch._assert_async((gathered <= capacity_rows).all(),
+                            f"fsdpturbo: {name}: an expert got more than its capacity of {capacity_rows} rows from a "
+                            f"rank (capacity_overflow: fail); run without torch.compile for the counts")
+        return
+    over = gathered > capacity_rows
+    if not bool(over.any()):
+        return
+    ranks = dist.get_process_group_ranks(ep_group)
+    expert = int(over.any(0).nonzero()[0, 0])
+    per_rank = ", ".join(f"rank {ranks[p]}: {int(gathered[p, expert])}" for p in range(gathered.size(0)))
+    raise RuntimeError(f"fsdpturbo: {name}: expert {expert} got more rows than its capacity of {capacity_rows} per "
+                       f"rank ({per_rank}); capacity_overflow is 'fail' (raise capacity_factor / expert_capacity, "
+                       f"or set capacity_overflow: drop)")
+
+
+def _expert_mlp(module, x, grouped_kernel):
+    """The local experts' MLP on [L, rows, H] (every expert the same number of rows, empty ones
+    zero): the op library's grouped matmul on CPU when `grouped_kernel`, else batched matmuls."""
+    gate_up, down = experts.expert_weights(module)
+    local, rows, width = x.shape
+    if grouped_kernel and x.device.type == "cpu":
+        counts = torch.full((local,), rows, dtype=torch.int64)
+        flat = x.reshape(local * rows, width)
+        hidden = experts.activation(module, ops.grouped_mm(flat, counts, gate_up))
+        return ops.grouped_mm(hidden.contiguous(), counts, down).view(local, rows, -1)
+    hidden = experts.activation(module, torch.bmm(x, gate_up.transpose(1, 2)))
+    return torch.bmm(hidden, down.transpose(1, 2))
+
+
+def capacity_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, capacity, grouped_kernel,
+                     fixed_router=False):
+    """The forward of an expert module under the capacity-bounded dispatch; `grouped_kernel`:
+    the op library's kernels (the `fused` dispatcher) rather than torch's (`eager`)."""
+    hidden, index, weights = prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
+    tokens, top_k = index.shape
+    num_experts, local = module.num_global_experts, module.num_local_experts
+    ep_size = dist.get_world_size(ep_group)
+    rows = capacity.rows(tokens, top_k, num_experts)
+    flat = index.reshape(-1).long()
+    in_range = (flat >= 0) & (flat < num_experts)
+    torch._assert_async(in_range.all(), f"fsdpturbo: {getattr(module, 'ft_name', 'an EP module')}: expert ids "
+                                        f"outside [0, {num_experts}): top_k_index must hold expert ids of this layer")
+    ids = torch.where(in_range, flat, num_experts)
+    place, counts = _slot_places(ids, num_experts)
+    if capacity.overflow == "fail":
+        _check_overflow(module, counts[:num_experts], rows, ep_group)
+    kept = in_range & (place < rows)
+    expert_stats.record(module, counts[:num_experts], dropped=counts[:num_experts] - counts[:num_experts].clamp(max=rows))
+
+    # Buffer row of each slot: expert-major, C rows per expert; a dropped slot → the spare row.
+    slot_row = torch.where(kept, ids * rows + place, num_experts * rows)
+    slots = torch.arange(tokens * top_k, device=flat.device)
+    per_slot = ops.moe_permute(hidden.contiguous(), slots, top_k) if grouped_kernel else \
+        hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(tokens * top_k, -1)
+    send = per_slot.new_zeros((num_experts * rows + 1, hidden.size(1))).index_copy(0, slot_row, per_slot)
+    received = all_to_all(send[:num_experts * rows], None, None, ep_group)
+
+    width = hidden.size(1)
+    by_expert = received.view(ep_size, local, rows, width).transpose(0, 1).reshape(local, ep_size * rows, width)
+    out = _expert_mlp(module, by_expert, grouped_kernel)
+    back = out.view(local, ep_size, rows, width).transpose(0, 1).reshape(num_experts * rows, width)
+    returned = all_to_all(back, None, None, ep_group)
+
+    per_slot_out = F.pad(returned, (0, 0, 0, 1)).index_select(0, slot_row)
+    combined = ops.moe_unpermute(per_slot_out, slots, weights, tokens, top_k) if grouped_kernel else \
+        weighted_sum(per_slot_out.view(tokens, top_k, width), weights)
+    return shaped_like(combined, hidden_states)

@@ -160,6 +160,36 @@ def test_three_adamw_steps_equal_single_process(family):
 
 
 
+def _no_view_output_rank_fn(rank, world):
+    """FSDP2 warns when a wrapped module returns a view; here that warning is an error. The
+    model's forward and backward, and the FSDP2-wrapped experts (efsdp 2) called directly with
+    hidden states of [B, S, H], which their forward reshapes: the output is no view and equals
+    the output for the same tokens given as [T, H]."""
+    import warnings
+
+    from fsdpturbo.engine import shard_model
+
+    ids = batch(0, world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1, 3, 16, generator=g)
+    index, weights = torch.tensor([[0, 5], [2, 7], [1, 1]]), torch.rand(3, 2, generator=g)
+    for dispatcher in ("eager", "fused"):  # every dispatcher returns through the pipeline's `shaped_like`
+        state = _layout_state(world, 2, 2, 1)
+        model = shard_model(build_model("qwen3_moe"), train_config(2, 2, dispatcher=dispatcher), state=state)
+        experts = model.model.layers[0].mlp.experts
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=r"FSDP2-wrapped module .* returned a view tensor")
+            model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+            out = experts(x.clone().requires_grad_(True), index, weights)
+            out.sum().backward()
+        assert out._base is None and out.shape == x.shape, dispatcher
+        assert torch.equal(out.detach(), experts(x.view(3, 16), index, weights).detach().view(1, 3, 16)), dispatcher
+
+
+def test_no_fsdp2_view_output_warning():
+    run_ranks(_no_view_output_rank_fn, 4, timeout=200)
+
+
 def _parse_once_rank_fn(rank, world):
     """shard_model parses the training configuration once: the parallel state (made from it
     here: none is given) and the plan read the parsed object."""

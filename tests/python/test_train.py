@@ -1,6 +1,7 @@
 """Training with `fsdpturbo.engine.shard_model` (EP × EFSDP × outer FSDP2) on gloo ranks
 against the same Hugging Face model trained in one process on the whole global batch: losses,
-gathered gradients, grad norms and parameters after 3 AdamW steps (DESIGN §4.1)."""
+gathered gradients, grad norms and parameters over 3 AdamW steps, element by element at 1e-5
+in float32 and at a bf16-sized bound in bf16 (DESIGN §4.1)."""
 import pytest
 import torch
 import torch.distributed as dist

@@ -51,7 +51,7 @@ CASES = {
     # Both slots of a token name the same expert.
     "duplicates": ([TOKENS] * WORLD, lambda rank, t: torch.tensor([[(rank + i) % NUM_EXPERTS] * TOP_K
                                                                      for i in range(t)], dtype=torch.int64)),
-    # Every token sends one slot to expert 3 (rank 1): one expert holds over half of all rows.
+    # Every token sends one slot to expert 3 (rank 1): one expert of eight holds half of all rows.
     "overloaded": ([TOKENS] * WORLD, _overloaded),
     # Uneven token counts and so uneven splits in both all-to-alls.
     "uneven": ([7, 3, 5, 1], None),

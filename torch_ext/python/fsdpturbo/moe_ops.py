@@ -37,7 +37,7 @@ def _unpermute_backward(ctx, grad):
         grad_permuted = grad_permuted * slot_weight.unsqueeze(-1)
         inverse = torch.empty_like(permutation)
         inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-        per_slot = permuted.index_select(0, inverse).view(ctx.tokens, ctx.top_k, permuted.size(1))
+        per_slot = permuted.index_select(0, inverse).view(ctx.tokens, ctx.top_k, permuted.size(-1))
         grad_probs = (per_slot * grad.unsqueeze(1)).sum(-1).to(probs.dtype).view_as(probs)
     return grad_permuted, None, grad_probs, None, None
 
@@ -71,7 +71,7 @@ def _token_unpermute_backward(ctx, grad):
     grad_permuted = grad.new_empty(permuted.shape).index_copy_(0, rows, per_slot.reshape(-1, grad.size(1)))
     grad_probs = None
     if ctx.has_probs and ctx.needs_input_grad[2]:
-        per_slot_rows = permuted.index_select(0, rows).view(grad.size(0), top_k, -1)
+        per_slot_rows = permuted.index_select(0, rows).view(grad.size(0), top_k, permuted.size(-1))
         grad_probs = (per_slot_rows * grad.unsqueeze(1)).sum(-1).to(probs.dtype)
     return grad_permuted, None, grad_probs
 

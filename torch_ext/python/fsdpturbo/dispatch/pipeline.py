@@ -57,9 +57,12 @@ def prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
 
 
 def shaped_like(out, hidden_states):
-    """`out` in the shape of `hidden_states`; not a view when the shapes already agree (FSDP2
-    warns about a wrapped module returning a view: in-place ops on it would skip its hooks)."""
-    return out if out.shape == hidden_states.shape else out.view(hidden_states.shape)
+    """`out`, a fresh tensor nothing else refers to, in the shape of `hidden_states` and never a
+    view: FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip the
+    module's pre-backward hook), and hidden states of [B, S, H] made `out.view` one.
+    `_unsafe_view` reshapes without recording `out` as the base, which is safe as nothing else
+    aliases it (ATen's own matmul returns its reshaped results the same way)."""
+    return out if out.shape == hidden_states.shape else torch.ops.aten._unsafe_view(out, hidden_states.shape)
 
 
 def gathered_counts(index_per_slice, num_experts, ep_group, count):

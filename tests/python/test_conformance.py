@@ -10,6 +10,7 @@ import torch
 
 import fsdpturbo
 from dist_util import run_ranks
+from fsdpturbo.dispatch import Capacity
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 from test_ep import _block, _override_router
 
@@ -17,11 +18,18 @@ WORLD = 4
 NUM_EXPERTS, TOP_K = 8, 2  # two local experts per EP rank at ep = 4
 TOKENS = 5
 
+# The capacity-bounded modes with room for every slot of every case (at most 7 tokens × top-2 on
+# a rank): they must equal the dropless dispatch.
+ENOUGH = Capacity(tokens=14)
 DISPATCHERS = {  # name → EPPlanConfig keywords; the first is the reference of the cross-dispatcher bound
     "eager": dict(dispatcher="eager"),
     "fused": dict(dispatcher="fused"),
     "domino": dict(dispatcher="domino"),
+    "capacity eager": dict(dispatcher="eager", capacity=ENOUGH),
+    "capacity fused": dict(dispatcher="fused", capacity=ENOUGH),
 }
+# Variants that run the same kernels on the same rows as another: bitwise equal to it.
+BITWISE_TWINS = {"capacity fused": "fused"}
 
 
 def _choose(ids, tokens, seed):
@@ -144,6 +152,9 @@ def _conformance_rank_fn(rank, world, dtype_name):
             results[name] = first
             if case == "idle_rank" and rank == 2:  # the route does what it says: nothing reached this rank
                 assert not first["gate_up_proj grad"].any() and not first["down_proj grad"].any(), where
+        for name, twin in BITWISE_TWINS.items():
+            for what, value in results[name].items():
+                assert torch.equal(value, results[twin][what]), f"{name} {case} {dtype_name} rank {rank}: {what}"
         for name, result in results.items():
             for what, value in result.items():
                 _assert_within_ulps(value, results[reference_name][what], ULP_BOUNDS[dtype][what],

@@ -148,7 +148,7 @@ def capacity_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gr
     slot_row = torch.where(kept, ids * rows + place, num_experts * rows)
     slots = torch.arange(tokens * top_k, device=flat.device)
     per_slot = ops.moe_permute(hidden.contiguous(), slots, top_k) if grouped_kernel else \
-        hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(tokens * top_k, -1)
+        hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(tokens * top_k, hidden.size(1))
     send = per_slot.new_zeros((num_experts * rows + 1, hidden.size(1))).index_copy(0, slot_row, per_slot)
     received = all_to_all(send[:num_experts * rows], None, None, ep_group)
 

@@ -7,6 +7,8 @@ Qwen3-MoE (ep 2, efsdp 2) and Qwen3.5-MoE (ep 4), with activation checkpointing:
   step's tokens) and `z_loss`; after the step every gradient;
 * sequence scope: Hugging Face's aux loss of each sequence, averaged over the step's sequences;
 * local scope: each rank's `aux_loss` is plain Hugging Face's on its own rows;
+* bad use: micro-batches that do not match `balance_step`'s masks, a z-loss without router
+  logits, an expert bias without EP, the sequence scope with cp > 1;
 * expert bias: selection by probability + bias with the router's own weights, the update from
   the global counts (`expert_load`), identical on every rank (and the check that says when not),
   gradients of two steps equal to the one-process model with the same biased routers, a
@@ -21,6 +23,8 @@ import torch.distributed as dist
 
 from dist_util import run_ranks
 from test_train import SEQ, full, tiny_config, train_config
+
+pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
 
 RTOL, ATOL = 1e-5, 1e-6
 ROWS = 2  # sequences per rank and micro-batch
@@ -44,8 +48,9 @@ def _sharded(family, world, layout, **dist_config):
     import fsdpturbo
     from fsdpturbo.engine import shard_model
 
-    state = fsdpturbo.ParallelState(world, ep_size=layout["ep"]).init_device_meshes("cpu")
-    config = train_config(layout["ep"])
+    cp = layout.get("cp", 1)
+    state = fsdpturbo.ParallelState(world, cp_size=cp, ep_size=layout["ep"]).init_device_meshes("cpu")
+    config = train_config(layout["ep"], cp=cp)
     config["dist_config"].update(dist_config)
     model = shard_model(_model(family), config, state=state)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -133,6 +138,9 @@ def _accumulated_step(rank, world, family, layout, scope):
                         num_items_in_batch=labels_total / world, use_cache=False)
             out.loss.backward()
             ref = reference(input_ids=ids, attention_mask=mask, use_cache=False)
+            experts, k = reference.config.num_experts, reference.config.num_experts_per_tok
+            assert torch.equal(ref.aux_loss, _hf_aux(reference)(ref.router_logits, experts, k, mask)), \
+                f"{what}: the patched function changed an unsharded model's aux loss"
             ce = reference.loss_function(ref.logits, labels, reference.config.vocab_size,
                                          num_items_in_batch=labels_total)
             if scope == "sequence":
@@ -146,6 +154,27 @@ def _accumulated_step(rank, world, family, layout, scope):
             _assert_close(_mean_over_ranks(out.loss, world), (ce + AUX_COEF * aux + Z_COEF * z).detach(),
                           f"{what} micro-batch {m} loss")
     _assert_grads(model, reference, what)
+    with pytest.raises(ValueError, match="router_z_loss_coef needs the router logits"):
+        model(input_ids=_mine(ids, rank), output_router_logits=False, use_cache=False)
+
+
+def _misuse(rank, world, family, layout):
+    """balance_step's declared micro-batches must match the forwards; an expert bias needs EP;
+    the sequence scope is not built with cp > 1. Every rank raises."""
+    import fsdpturbo
+
+    model = _sharded(family, world, layout)
+    ids, mask, _ = _micro_batches(world, padded=False)[0]
+    with pytest.raises(ValueError, match=r"micro-batch 0 has shape \[2, 3\], its declared attention mask \[2, 6\]"):
+        with fsdpturbo.balance_step(model, [_mine(mask, rank)]):
+            model(input_ids=_mine(ids, rank)[:, :3], use_cache=False)
+    with pytest.raises(ValueError, match="the step declared 2 micro-batches and 1 forwards ran"):
+        with fsdpturbo.balance_step(model, [_mine(mask, rank)] * 2):
+            model(input_ids=_mine(ids, rank), use_cache=False)
+    with pytest.raises(ValueError, match="expert_bias_update_rate needs expert parallelism"):
+        _sharded(family, world, dict(ep=1), expert_bias_update_rate=BIAS_RATE)
+    with pytest.raises(NotImplementedError, match="aux_loss_scope sequence with cp_size > 1 is not built"):
+        _sharded(family, world, dict(ep=2, cp=2), aux_loss_scope="sequence")
 
 
 def _local_scope(rank, world, family, layout):
@@ -278,9 +307,20 @@ def _balance_rank_fn(rank, world, family, tmp):
     _accumulated_step(rank, world, family, layout, "global")
     _accumulated_step(rank, world, family, layout, "sequence")
     _local_scope(rank, world, family, layout)
+    _misuse(rank, world, family, layout)
     _bias_steps(rank, world, family, layout, tmp)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_balance_losses_and_expert_bias_equal_single_process(family, tmp_path):
     run_ranks(_balance_rank_fn, 4, family, str(tmp_path), timeout=400)
+
+
+def test_balance_step_needs_a_sharded_model():
+    import fsdpturbo
+
+    with pytest.raises(ValueError, match="the model has no balance losses"):
+        with fsdpturbo.balance_step(_model("qwen3_moe"), [torch.ones(1, SEQ)]):
+            pass
+    with pytest.raises(ValueError, match="the model has no expert bias"):
+        fsdpturbo.update_expert_bias(_model("qwen3_moe"))

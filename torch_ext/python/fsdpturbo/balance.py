@@ -295,5 +295,5 @@ def balance_step(model, attention_masks):
     finally:
         step, balance.step = balance.step, None
     if step.ran != len(step.shapes):
-        raise ValueError(f"fsdpturbo.balance_step: {step.ran} forwards ran in a step declared with "
-                         f"{len(step.shapes)} micro-batches")
+        raise ValueError(f"fsdpturbo.balance_step: the step declared {len(step.shapes)} micro-batches and "
+                         f"{step.ran} forwards ran")

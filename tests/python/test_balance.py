@@ -62,10 +62,10 @@ def _micro_batches(world, padded):
     """[(ids, mask, labels)] of the global batch (world × ROWS rows) per micro-batch; padded:
     some rows end in padding (mask 0, label -100)."""
     g = torch.Generator().manual_seed(5)
-    batches = []
+    rows, batches = world * ROWS, []
     for _ in range(MICRO_BATCHES):
-        ids = torch.randint(0, 64, (world * ROWS, SEQ), generator=g)
-        lengths = torch.randint(2, SEQ + 1, (world * ROWS,), generator=g) if padded else torch.full((world * ROWS,), SEQ)
+        ids = torch.randint(0, 64, (rows, SEQ), generator=g)
+        lengths = torch.randint(2, SEQ + 1, (rows,), generator=g) if padded else torch.full((rows,), SEQ)
         mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
         batches.append((ids, mask, ids.masked_fill(mask == 0, -100)))
     return batches

@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import types
 from typing import List, Optional
 
 import torch
@@ -83,7 +84,6 @@ class Balance:
     z_coef: float
     factor: float
     device: torch.device
-    group: object = None
     step: Optional[_Step] = None
 
 
@@ -147,7 +147,7 @@ class _Forward:
         packed = torch.cat([counts, prob_sum.detach(),
                             torch.stack([rows, z_sum.detach(), per_sequence.sum().detach(), sequences])])
         if dist.is_initialized():
-            dist.all_reduce(packed, group=balance.group)
+            dist.all_reduce(packed)
         counts_g, prob_g, (rows_g, z_g, sequence_aux_g, sequences_g) = \
             packed[:num_experts], packed[num_experts:2 * num_experts], packed[2 * num_experts:]
         step = balance.step
@@ -236,24 +236,26 @@ def install(model, *, scope, z_coef, factor, device, cp_size=1):
                                   "holds part of every sequence); use global or local")
     if not hasattr(module.load_balancing_loss_func, "ft_original"):
         module.load_balancing_loss_func = _patched(module.load_balancing_loss_func)
-    balance = Balance(scope=scope, z_coef=float(z_coef), factor=float(factor), device=torch.device(device))
-    model.ft_balance = balance
-    original = model.forward
+    original = getattr(model.forward, "__func__", None)
+    if getattr(model.forward, "__self__", None) is not model or original is None:
+        raise ValueError(f"fsdpturbo: {type(model).__name__}.forward is not a method of the model (replaced by a "
+                         f"function?); shard the model before wrapping its forward")
+    model.ft_balance = Balance(scope=scope, z_coef=float(z_coef), factor=float(factor), device=torch.device(device))
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        shape = _batch_shape(args, kwargs)
+    @functools.wraps(original)  # the model's signature (trainers read its parameter names)
+    def forward(self, *args, **kwargs):
+        balance, shape = self.ft_balance, _batch_shape(args, kwargs)
         running = _Forward(balance, shape)
         if running.collective and balance.step is not None:
             balance.step.next_forward(shape)
         token = _RUNNING.set(running)
         try:
-            output = original(*args, **kwargs)
+            output = original(self, *args, **kwargs)
         finally:
             _RUNNING.reset(token)
         return running.finish(output)
 
-    model.forward = forward
+    model.forward = types.MethodType(forward, model)  # a copy.deepcopy of the model rebinds it
     return model
 
 
@@ -287,7 +289,7 @@ def balance_step(model, attention_masks):
                          "tensors, one per micro-batch")
     totals = sum(torch.stack([m.sum(), (m.sum(-1) > 0).sum()]).to(balance.device, torch.float64) for m in masks)
     if dist.is_initialized():
-        dist.all_reduce(totals, group=balance.group)
+        dist.all_reduce(totals)
     totals = totals.float()
     balance.step = _Step(tokens=totals[0], sequences=totals[1], shapes=[tuple(m.shape) for m in masks])
     try:

@@ -12,11 +12,14 @@ Qwen3-MoE (ep 2, efsdp 2) and Qwen3.5-MoE (ep 4), with activation checkpointing:
 * expert bias: selection by probability + bias with the router's own weights, the update from
   the global counts (`expert_load`), identical on every rank (and the check that says when not),
   gradients of two steps equal to the one-process model with the same biased routers, a
-  bitwise checkpoint round trip to another layout; bad biases are clear errors.
+  bitwise checkpoint round trip to another layout (`load_checkpoint`, and `dcp_path` on a meta
+  model); bad biases are clear errors.
 
 Tolerance: per element, |sharded − reference| ≤ 1e-5 · |reference| + ATOL · max |reference|
 (ATOL = 1e-6: the sharded run sums in another order, so an element near zero carries the
 rounding of its tensor's larger elements)."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,7 +47,9 @@ def _model(family):
     return Model(config)
 
 
-def _sharded(family, world, layout, **dist_config):
+def _sharded(family, world, layout, *, meta=False, **dist_config):
+    """The model sharded at `layout` with `dist_config` keys; meta: built on the meta device
+    (then `dcp_path` gives the weights)."""
     import fsdpturbo
     from fsdpturbo.engine import shard_model
 
@@ -52,7 +57,9 @@ def _sharded(family, world, layout, **dist_config):
     state = fsdpturbo.ParallelState(world, cp_size=cp, ep_size=layout["ep"]).init_device_meshes("cpu")
     config = train_config(layout["ep"], cp=cp)
     config["dist_config"].update(dist_config)
-    model = shard_model(_model(family), config, state=state)
+    with fsdpturbo.meta_parameters() if meta else contextlib.nullcontext():
+        model = _model(family)
+    model = shard_model(model, config, state=state)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
@@ -285,8 +292,11 @@ def _bias_steps(rank, world, family, layout, tmp):
     fsdpturbo.save_checkpoint(model, optimizer, f"{tmp}/{family}")
     other = _sharded(family, world, LAYOUTS[family][1], expert_bias_update_rate=BIAS_RATE)
     fsdpturbo.load_checkpoint(other, None, f"{tmp}/{family}")
-    for name, router in _routers(other).items():
-        assert torch.equal(router.expert_bias, saved[name]), f"{what}: {name} after the checkpoint round trip"
+    resumed = _sharded(family, world, LAYOUTS[family][1], meta=True, expert_bias_update_rate=BIAS_RATE,
+                       dcp_path=f"{tmp}/{family}")
+    for loaded, how in ((other, "load_checkpoint"), (resumed, "dcp_path on a meta model")):
+        for name, router in _routers(loaded).items():
+            assert torch.equal(router.expert_bias, saved[name]), f"{what}: {name} after the round trip by {how}"
 
     experts = first.num_experts
     first.expert_bias = torch.zeros(experts, dtype=torch.float64)

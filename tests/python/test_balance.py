@@ -6,7 +6,8 @@ Qwen3-MoE (ep 2, efsdp 2) and Qwen3.5-MoE (ep 4), with activation checkpointing:
   loss, `aux_loss` (Hugging Face's value on the micro-batch's concatenation × its share of the
   step's tokens) and `z_loss`; after the step every gradient;
 * sequence scope: Hugging Face's aux loss of each sequence, averaged over the step's sequences;
-* local scope: each rank's `aux_loss` is plain Hugging Face's on its own rows;
+* local scope: each rank's `aux_loss` is plain Hugging Face's on its own rows (the z-loss
+  still the global batch's);
 * bad use: micro-batches that do not match `balance_step`'s masks, a z-loss without router
   logits, an expert bias without EP, the sequence scope with cp > 1;
 * expert bias: selection by probability + bias with the router's own weights, the update from
@@ -185,21 +186,26 @@ def _misuse(rank, world, family, layout):
 
 
 def _local_scope(rank, world, family, layout):
-    """aux_loss_scope local: each rank's aux loss is plain Hugging Face's on its own rows, and the
-    gradients are those of the mean over ranks of the per-rank losses."""
+    """aux_loss_scope local: each rank's aux loss is plain Hugging Face's on its own rows, the
+    z-loss the global batch's; the gradients are those of the mean over ranks of the per-rank
+    losses plus the global z-loss."""
     what = f"{family} {layout} local"
-    model = _sharded(family, world, layout, aux_loss_scope="local")
+    model = _sharded(family, world, layout, aux_loss_scope="local", router_z_loss_coef=Z_COEF)
     reference = _model(family)
     ids, mask, labels = _micro_batches(world, padded=True)[0]
     out = model(input_ids=_mine(ids, rank), attention_mask=_mine(mask, rank), labels=_mine(labels, rank),
                 use_cache=False)
     out.loss.backward()
+    per_rank_losses, z = 0, 0
     for r in range(world):
         ref = reference(input_ids=_mine(ids, r), attention_mask=_mine(mask, r), labels=_mine(labels, r),
                         use_cache=False)
-        (ref.loss / world).backward()
+        per_rank_losses, z = per_rank_losses + ref.loss / world, z + _z(ref.router_logits, _mine(mask, r))
         if r == rank:
             _assert_close(out.aux_loss.detach(), ref.aux_loss.detach(), f"{what} rank {r} aux_loss")
+    z = z / (model.config.num_hidden_layers * mask.sum())
+    (per_rank_losses + Z_COEF * z).backward()
+    _assert_close(out.z_loss.detach(), z.detach(), f"{what} z_loss")
     _assert_grads(model, reference, what)
 
 

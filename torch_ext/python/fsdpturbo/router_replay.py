@@ -11,6 +11,9 @@ passes of a checkpointed layer pay one softmax and gather over [tokens, E] more 
 
 `record_routes(model)` / `replay_routes(model, routes)` expose the same for RL trainers: record
 the routes a forward took (e.g. at rollout) and make a later forward take them.
+
+With an expert bias (`fsdpturbo.expert_bias`) the router's own ids are its biased selection, and
+the ids a training forward takes (recorded, replayed or its own) are what the bias update counts.
 """
 import collections
 import contextlib

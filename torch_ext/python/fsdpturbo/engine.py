@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import balance, expert_bias
 from .checkpoint import load_model_weights
 from .config import TrainConfig
 from .consistency import check_same_on_every_rank, model_structure
@@ -135,6 +136,12 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
        training checkpoint of `fsdpturbo.save_checkpoint` or LlamaFactory, saved at any layout);
     6. the grad-norm warm-up.
 
+    Load balancing (`fsdpturbo.balance`, `fsdpturbo.expert_bias`): a Qwen3-MoE / Qwen3.5-MoE
+    model computes its aux loss as `dist_config.aux_loss_scope` says (default: over the global
+    batch) and adds the router z-loss when `router_z_loss_coef` > 0; with
+    `expert_bias_update_rate` (ep > 1) every EP router gets an expert bias for top-k selection,
+    moved by `fsdpturbo.update_expert_bias(model)` once per optimizer step.
+
     `state`: a `ParallelState` with torch meshes (default: the process-global one, else one
     made from `train_config` for the current world and made global). `device`: where meta
     tensors are materialised (default: the mesh device, the current one for cuda/npu).
@@ -174,6 +181,10 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
                                    fsdp_implementation=dist_cfg.get("fsdp_implementation", "native"))
         expert_parallelize_modules(model, state.sub_mesh("ep"), ep_plan)
         expert_fully_shard_modules(model, state.sub_mesh("efsdp"), ep_plan, fsdp_plan)
+    if dist_cfg.get("expert_bias_update_rate") is not None:
+        expert_bias.install(model, dist_cfg["expert_bias_update_rate"])
+    balance.install(model, scope=dist_cfg.get("aux_loss_scope", "global"),
+                    z_coef=dist_cfg.get("router_z_loss_coef", 0.0), factor=factor, device=device, cp_size=state.cp_size)
     params = dict(model.named_parameters())  # after EP, which replaced the expert parameters
     fully_shard_outer(model, state.sub_mesh("dp"), factor,
                       ignored_params=[params[n] for n in plan["ignored_params"]],

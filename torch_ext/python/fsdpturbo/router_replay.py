@@ -11,6 +11,9 @@ passes of a checkpointed layer pay one softmax and gather over [tokens, E] more 
 
 `record_routes(model)` / `replay_routes(model, routes)` expose the same for RL trainers: record
 the routes a forward took (e.g. at rollout) and make a later forward take them.
+
+With an expert bias (`fsdpturbo.expert_bias`) the router's own ids are its biased selection, and
+the ids a training forward takes (recorded, replayed or its own) are what the bias update counts.
 """
 import collections
 import contextlib
@@ -19,6 +22,7 @@ import weakref
 
 import torch
 
+from . import expert_bias
 from .recompute import in_recomputation
 
 __all__ = ["install", "record_routes", "replay_routes"]
@@ -70,15 +74,24 @@ def _taken(router, logits, scores, indices, taken):
     return torch.where(same, scores, _scores(router, logits, taken))
 
 
+def _own_routes(router, hidden_states):
+    """The router's result; with an expert bias (`fsdpturbo.expert_bias`) its top-k is taken
+    over the biased probabilities and the scores are its own of those ids."""
+    logits, scores, indices = router.ft_routes.original(hidden_states)
+    bias = expert_bias.bias_of(router)
+    if bias is None:
+        return logits, scores, indices
+    indices = expert_bias.select(router, logits, bias)
+    return logits, _scores(router, logits, indices), indices
+
+
 def _routed_forward(self, hidden_states):
     """The router's forward, taking the first forward's ids in a recomputation and the replayed
     ids under `replay_routes`. A checkpointed layer's first forward and its recomputation run
     the same operations (checkpointing requires the recomputation to save what the first
     forward saved); a forward that is neither returns the router's own result untouched."""
     routes = self.ft_routes
-    if torch.compiler.is_compiling() and routes.recording is None and routes.replaying is None:
-        return routes.original(hidden_states)  # a compiled backward recomputes without running Python
-    logits, scores, indices = routes.original(hidden_states)
+    logits, scores, indices = _own_routes(self, hidden_states)
     if in_recomputation():
         if not routes.pending:  # a recomputation nothing was recorded for (reentrant checkpointing)
             return logits, scores, indices
@@ -87,7 +100,10 @@ def _routed_forward(self, hidden_states):
     taken = _next_replayed(self, self.ft_name, logits) if routes.replaying is not None else indices
     if routes.recording is not None:
         routes.recording.append(taken.detach().clone())
-    if torch.is_grad_enabled() and routes.checkpointed():
+    if expert_bias.BIAS in self._buffers:
+        expert_bias.count(self, taken)
+    # A compiled backward recomputes inside its own graph, without running this: nothing to keep.
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and routes.checkpointed():
         routes.pending.append(taken.detach())
     elif taken is indices:
         return logits, scores, indices

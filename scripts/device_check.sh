@@ -8,7 +8,9 @@
 # Steps (each prints PASS/FAIL): build the op library against this host's torch (CMake with
 # FSDPTURBO_BUILD_RUST=OFF; torch.utils.cpp_extension as a fallback), the GPU tests
 # (tests/python/test_cuda_ops.py: every kernel vs torch on fresh random data, grouped GEMM
-# forward/backward on each path, grad norm, a one-rank NCCL communicator through our loader),
+# forward/backward on each path, grad norm, a one-rank NCCL communicator through our loader), the
+# capacity-bounded dispatch (tests/python/test_cuda_graph.py: no host sync, one CUDA graph of
+# forward + backward replayed equal to eager, fullgraph compile),
 # the CPU-side backend tests, the C++ trainer through NCCL (one rank), then the benchmark table
 # (benches/cuda_moe.py). Logs and the benchmark JSON go to $OUT when set. Exit 1 on any failure.
 set -uo pipefail
@@ -73,6 +75,7 @@ export FSDPTURBO_LIB=$ROOT/target/release/libfsdpturbo.so FSDPTURBO_TORCH_LIB=$O
 export PYTHONPATH=$ROOT/torch_ext/python LD_LIBRARY_PATH=$ROOT/target/release:${LD_LIBRARY_PATH:-}
 
 step gpu_tests $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_ops.py
+step cuda_graph_capacity $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_graph.py
 step backend_tests $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_backend.py
 
 trainer() {

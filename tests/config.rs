@@ -136,12 +136,12 @@ fn capacity_and_balancing_fields() {
     );
     assert_eq!(d.capacity_factor, Some(1.25));
     assert_eq!(d.expert_capacity, None);
-    assert_eq!(d.capacity_overflow, CapacityOverflow::Fail);
+    assert_eq!(d.capacity_overflow, Some(CapacityOverflow::Fail));
     assert_eq!(d.aux_loss_scope, AuxLossScope::Sequence);
     assert_eq!(d.router_z_loss_coef, 0.001);
     assert_eq!(d.expert_bias_update_rate, Some(1.0e-3));
     let d = dist("  name: fsdpturbo\n  expert_capacity: 64\n");
-    assert_eq!((d.expert_capacity, d.capacity_overflow), (Some(64), CapacityOverflow::Drop));
+    assert_eq!((d.expert_capacity, d.capacity_overflow), (Some(64), None));
     assert_eq!(DistConfig::default().aux_loss_scope, AuxLossScope::Global);
 }
 
@@ -1219,7 +1219,7 @@ mod c_abi {
                     "pin_memory": true, "dcp_path": null, "ep_size": 4, "ep_dispatcher": "fused",
                     "fsdp_ignored_modules": [], "hook_modules": ["a"], "fsdp_implementation": "native",
                     "efsdp_size": null, "capacity_factor": null, "expert_capacity": null,
-                    "capacity_overflow": "drop", "aux_loss_scope": "global", "router_z_loss_coef": 0.0,
+                    "capacity_overflow": null, "aux_loss_scope": "global", "router_z_loss_coef": 0.0,
                     "expert_bias_update_rate": null
                 },
                 "kernel": {"names": ["auto", "flash-linear-attention"], "include_kernels": "auto", "chunk_size": 32}

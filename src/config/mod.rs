@@ -165,7 +165,8 @@ pub struct DistConfig {
     pub capacity_factor: Option<f64>,
     /// Capacity-bounded dispatch with an explicit capacity: rows per expert per source rank.
     pub expert_capacity: Option<u64>,
-    pub capacity_overflow: CapacityOverflow,
+    /// What overflows a capacity; `None` (only without one) = `Drop` when a capacity is set.
+    pub capacity_overflow: Option<CapacityOverflow>,
     pub aux_loss_scope: AuxLossScope,
     /// Coefficient of the router z-loss (mean squared log-sum-exp of the router logits); 0 = off.
     pub router_z_loss_coef: f64,
@@ -190,7 +191,7 @@ impl Default for DistConfig {
             efsdp_size: None,
             capacity_factor: None,
             expert_capacity: None,
-            capacity_overflow: CapacityOverflow::Drop,
+            capacity_overflow: None,
             aux_loss_scope: AuxLossScope::Global,
             router_z_loss_coef: 0.0,
             expert_bias_update_rate: None,

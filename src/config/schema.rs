@@ -276,9 +276,7 @@ fn capacity(cx: &mut Cx, path: &Path, map: &Mapping, d: &mut DistConfig) {
         );
     }
     if let Some((p, v)) = field("capacity_overflow") {
-        if let Some(policy) = choice(cx, &p, v, &CapacityOverflow::ALL, CapacityOverflow::as_str) {
-            d.capacity_overflow = policy;
-        }
+        d.capacity_overflow = choice(cx, &p, v, &CapacityOverflow::ALL, CapacityOverflow::as_str);
         if factor.is_none() && tokens.is_none() {
             cx.err(
                 &p,

@@ -51,11 +51,13 @@ def batch(step, world):
     return torch.randint(0, 64, (world, SEQ), generator=g)
 
 
-def train_config(ep, efsdp=None, cp=1, bf16=False, ignored=(), dispatcher="eager"):
+def train_config(ep, efsdp=None, cp=1, bf16=False, ignored=(), dispatcher="eager", capacity_factor=None):
     dist_config = {"name": "fsdpturbo", "ep_size": ep, "ep_dispatcher": dispatcher,
                    "fsdp_ignored_modules": list(ignored)}
     if efsdp is not None:
         dist_config["efsdp_size"] = efsdp
+    if capacity_factor is not None:
+        dist_config["capacity_factor"] = capacity_factor
     return {"bf16": bf16, "cp_size": cp, "dist_config": dist_config}
 
 
@@ -110,7 +112,8 @@ def _train_rank_fn(rank, world, family, layouts):
         state = _layout_state(world, ep, efsdp, cp)
         assert state.world_size == world
         reference = build_model(family)
-        config = train_config(ep, efsdp, cp, ignored=ignored, dispatcher=layout.get("dispatcher", "eager"))
+        config = train_config(ep, efsdp, cp, ignored=ignored, dispatcher=layout.get("dispatcher", "eager"),
+                              capacity_factor=layout.get("capacity_factor"))
         model = shard_model(build_model(family), config, state=state)
         from torch.distributed.tensor import DTensor
 
@@ -148,15 +151,17 @@ def _train_rank_fn(rank, world, family, layouts):
 
 # On 4 ranks; efsdp None = the seed's dp/ep (2 with ep 2, 1 with ep 4).
 LAYOUTS = [dict(ep=2), dict(ep=4), dict(ep=2, efsdp=1), dict(ep=2, cp=2)]
-EXTRA = {"qwen3_moe": [dict(ep=2, ignored=("model.embed_tokens", "model.norm")), dict(ep=2, dispatcher="fused")],
-         "qwen3_5_moe": [dict(ep=4, dispatcher="domino")]}
+# Capacity factor 8: every expert can take all of a rank's slots (SEQ tokens × top-2 of 8 experts).
+EXTRA = {"qwen3_moe": [dict(ep=2, ignored=("model.embed_tokens", "model.norm")), dict(ep=2, dispatcher="fused"),
+                       dict(ep=2, dispatcher="fused", capacity_factor=8.0)],
+         "qwen3_5_moe": [dict(ep=4, dispatcher="domino"), dict(ep=2, dispatcher="eager", capacity_factor=8.0)]}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_three_adamw_steps_equal_single_process(family):
     """(ep 2, efsdp 2), (ep 4, efsdp 1), (ep 2, efsdp 1, edp 2) and (cp 2, ep 2) on 4 ranks; also
-    parameters kept whole outside FSDP2 (fsdp_ignored_modules) and the fused and domino
-    dispatchers."""
+    parameters kept whole outside FSDP2 (fsdp_ignored_modules), the fused and domino dispatchers
+    and the capacity-bounded dispatch (with room for every slot)."""
     run_ranks(_train_rank_fn, 4, family, LAYOUTS + EXTRA[family], timeout=400)
 
 

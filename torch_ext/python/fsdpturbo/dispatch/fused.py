@@ -42,6 +42,10 @@ class FusedStrategy(Strategy):
         return ops.moe_permute(hidden.contiguous(), route.permutation, route.top_k)
 
     def compute(self, module, received, route, ep_group):
+        if dist.get_world_size(ep_group) == 1:
+            # One rank receives its own rows in send order, already grouped by expert
+            # (`moe_route` sorts by expert id): the local order is the identity.
+            return experts.grouped_mlp(module, received, route.per_expert, route.per_expert.tolist())
         grouped = ops.moe_permute(received, route.local_order, 1)
         out = experts.grouped_mlp(module, grouped, route.per_expert, route.per_expert.tolist())
         return ops.moe_unpermute(out, route.local_order, None, out.size(0), 1)

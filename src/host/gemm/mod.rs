@@ -61,6 +61,7 @@ trait GemmAcc: Acc {
     const NC: usize;
     /// [`pack`] with MR lanes: the A panels.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn pack_a<T: Copy>(
         src: &[T],
         op: Operand,
@@ -70,7 +71,13 @@ trait GemmAcc: Acc {
         kc: usize,
         dst: &mut [Self],
         dec: &impl Fn(T) -> Self,
-    );
+    ) {
+        match Self::MR {
+            6 => pack::<T, Self, 6>(src, op, mn0, len, k0, kc, dst, dec),
+            12 => pack::<T, Self, 12>(src, op, mn0, len, k0, kc, dst, dec),
+            mr => unreachable!("no A packing for MR = {mr}"),
+        }
+    }
     /// Packs depth `k0..k0 + klen` of B (indices `mn0..mn0 + len`) as consecutive K blocks of
     /// [`GEMM_KC`] (the last may be shorter), block `kb` at `dst[np·(kb - k0)..]` with
     /// np = `len` rounded up to NR, each laid out as [`pack`] does. `tmp` is scratch.
@@ -191,19 +198,6 @@ impl GemmAcc for f32 {
     const NR: usize = 32;
     const NC: usize = 256;
     #[inline(always)]
-    fn pack_a<T: Copy>(
-        src: &[T],
-        op: Operand,
-        mn0: usize,
-        len: usize,
-        k0: usize,
-        kc: usize,
-        dst: &mut [f32],
-        dec: &impl Fn(T) -> f32,
-    ) {
-        pack::<T, f32, 12>(src, op, mn0, len, k0, kc, dst, dec)
-    }
-    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn pack_b<T: Copy>(
         src: &[T],
@@ -272,19 +266,6 @@ impl GemmAcc for f64 {
     const MR: usize = 6;
     const NR: usize = 8;
     const NC: usize = 128;
-    #[inline(always)]
-    fn pack_a<T: Copy>(
-        src: &[T],
-        op: Operand,
-        mn0: usize,
-        len: usize,
-        k0: usize,
-        kc: usize,
-        dst: &mut [f64],
-        dec: &impl Fn(T) -> f64,
-    ) {
-        pack::<T, f64, 6>(src, op, mn0, len, k0, kc, dst, dec)
-    }
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn pack_b<T: Copy>(
@@ -433,39 +414,40 @@ fn run_task<T: Copy, A: GemmAcc>(
     }
 }
 
-/// [`run_task`] compiled for AVX2 + FMA, so packing and conversions use them too.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn run_task_avx2<T: Copy, A: GemmAcc>(
-    task: Task,
-    p: &Problem,
-    a_src: &[T],
-    b_src: &[T],
-    out: &SharedOut<T>,
-    ws: &mut Workspace<A>,
-    dec: &impl Fn(T) -> A,
-    enc: &impl Fn(A) -> T,
-) {
-    run_task(task, p, a_src, b_src, out, ws, dec, enc, Isa::Avx2)
+/// Defines `$name`: [`run_task`] on the `$isa` path compiled with `$features`, so packing and
+/// conversions use them too.
+macro_rules! run_task_compiled_for {
+    ($(#[$cfg:meta])* $name:ident, $features:literal, $isa:expr) => {
+        $(#[$cfg])*
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        fn $name<T: Copy, A: GemmAcc>(
+            task: Task,
+            p: &Problem,
+            a_src: &[T],
+            b_src: &[T],
+            out: &SharedOut<T>,
+            ws: &mut Workspace<A>,
+            dec: &impl Fn(T) -> A,
+            enc: &impl Fn(A) -> T,
+        ) {
+            run_task(task, p, a_src, b_src, out, ws, dec, enc, $isa)
+        }
+    };
 }
 
-/// [`run_task`] compiled for AVX-512, so packing and conversions use it too.
-#[cfg(all(target_arch = "x86_64", fsdpturbo_avx512))]
-#[target_feature(enable = "avx512f,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn run_task_avx512<T: Copy, A: GemmAcc>(
-    task: Task,
-    p: &Problem,
-    a_src: &[T],
-    b_src: &[T],
-    out: &SharedOut<T>,
-    ws: &mut Workspace<A>,
-    dec: &impl Fn(T) -> A,
-    enc: &impl Fn(A) -> T,
-) {
-    run_task(task, p, a_src, b_src, out, ws, dec, enc, Isa::Avx512)
-}
+run_task_compiled_for!(
+    #[cfg(target_arch = "x86_64")]
+    run_task_avx2,
+    "avx2,fma",
+    Isa::Avx2
+);
+run_task_compiled_for!(
+    #[cfg(all(target_arch = "x86_64", fsdpturbo_avx512))]
+    run_task_avx512,
+    "avx512f,avx2,fma",
+    Isa::Avx512
+);
 
 #[allow(clippy::too_many_arguments)]
 fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(

@@ -1,4 +1,5 @@
-//! Generates the two C headers from `src/ffi` and gives the cdylib its SONAME.
+//! Generates the two C headers from `src/ffi`, gives the cdylib its SONAME, and says whether
+//! rustc can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`).
 //!
 //! cbindgen reads source files, not the crate: `include/fsdpturbo.h` (the public C API) comes from
 //! the files directly in `src/ffi/`, and `include/fsdpturbo_internal.h` (the op library's device
@@ -32,7 +33,19 @@ fn generate(config: cbindgen::Config, srcs: &[PathBuf], out: &Path) {
     }
 }
 
+/// The minor version of the rustc building the crate (`rustc 1.MINOR.PATCH ...`), if it says.
+fn rustc_minor() -> Option<u32> {
+    let out = std::process::Command::new(std::env::var_os("RUSTC")?).arg("--version").output().ok()?;
+    String::from_utf8(out.stdout).ok()?.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
+}
+
 fn main() {
+    // The GEMM's AVX-512 kernel needs the AVX-512 intrinsics and target features, stable since
+    // Rust 1.89; older compilers (the MSRV is 1.85) build the crate without it.
+    println!("cargo:rustc-check-cfg=cfg(fsdpturbo_avx512)");
+    if rustc_minor().is_some_and(|minor| minor >= 89) {
+        println!("cargo:rustc-cfg=fsdpturbo_avx512");
+    }
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libfsdpturbo.so.0");

@@ -1,5 +1,6 @@
 """The MoE ops of the op library: the seed's worked example (reference §5.1) number for number,
-opcheck for every op, gradcheck in f64, and clear errors."""
+opcheck for every op, gradcheck in f64, and clear errors; and the experts' SiLU gate, which must
+give autograd's own bits."""
 import pytest
 import torch
 from torch.autograd import gradcheck
@@ -67,6 +68,23 @@ def test_unpermute_is_the_weighted_sum_over_k():
     _, permutation, x, probs = _inputs()
     out = ops.moe_unpermute(ops.moe_permute(x, permutation, 2), permutation, probs, 4, 2)
     torch.testing.assert_close(out, (x.unsqueeze(1) * probs.unsqueeze(-1)).sum(1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_silu_gate_gives_the_bits_of_autograd_on_silu_times_up(dtype):
+    from fsdpturbo.dispatch.experts import activation
+
+    module = torch.nn.Module()
+    module.act_fn = torch.nn.SiLU()
+    gate_up = torch.randn(37, 2 * 23, dtype=dtype, requires_grad=True)
+    grad = torch.randn(37, 23, dtype=dtype)
+    ours = activation(module, gate_up)
+    (ours_grad,) = torch.autograd.grad(ours, gate_up, grad)
+    assert type(ours.grad_fn).__name__ == "_SiluGateBackward"  # the fused function ran
+    gate, up = gate_up.chunk(2, dim=-1)
+    reference = torch.nn.functional.silu(gate) * up
+    (reference_grad,) = torch.autograd.grad(reference, gate_up, grad)
+    assert torch.equal(ours, reference) and torch.equal(ours_grad, reference_grad)
 
 
 def test_errors_name_what_and_where():

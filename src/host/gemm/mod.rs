@@ -1,11 +1,13 @@
 //! The grouped GEMM of the experts and its backward pieces: one GEMM per group of rows with
 //! the HF expert layout `W [G, out, in]` (`y = x @ W[g]^T`). A blocked kernel: operands are
 //! packed into register-tile panels (converted to the accumulator type on the way: bf16/f16 →
-//! f32), a 6×16 (f32) or 6×8 (f64) register tile is updated with AVX2 + FMA where the CPU has it
-//! (`x86.rs`; portable loops elsewhere), K is cut into fixed blocks of [`GEMM_KC`], and the tiles
-//! of C are spread over threads (`std::thread::scope`) when the problem is large. Every output
-//! element is computed by one thread with the same sequence of operations whatever the thread
-//! count, so results are bit-for-bit independent of it.
+//! f32), a 12×32 (f32) or 6×8 (f64) register tile is updated with AVX-512 or AVX2 + FMA where
+//! the CPU has them (`x86.rs`; portable loops elsewhere), K is cut into fixed blocks of
+//! [`GEMM_KC`], and the tiles of C are spread over threads (`std::thread::scope`) when the
+//! problem is large. Every output element is computed by one thread with the same sequence of
+//! operations whatever the thread count, so results are bit-for-bit independent of it; the
+//! AVX-512 and AVX2 kernels run the same fused multiply-adds per element in the same order, so
+//! they agree bit for bit too.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -14,25 +16,68 @@ use super::threads::{GEMM_PARALLEL_MIN_FLOPS, KernelOptions};
 use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{Error, Result};
 
-/// Rows of the register tile (all accumulator types).
-const MR: usize = 6;
 /// Depth of a K block: every output element is a sum of per-block partial sums, added in
 /// block order. Fixed, so results do not depend on how C is split over threads.
 /// cbindgen:ignore
 pub const GEMM_KC: usize = 256;
-/// Rows of A packed at a time (a multiple of MR).
+/// Rows of A packed at a time (a multiple of every accumulator type's MR).
 const MC: usize = 72;
 /// Elements of packed B per task and thread: B is packed this many K blocks at a time.
 const B_PACK_BUDGET: usize = 1 << 20;
-/// The most rows of C per task (a multiple of MR): B is packed once per task and K block, so
+/// The most rows of C per task (a multiple of every MR): B is packed once per task and K block, so
 /// tasks are tall; a group's rows are cut into near-equal parts of at most MB rows.
 const MB: usize = 1020;
 
-/// The per-accumulator-type parts of the GEMM: register-tile width, columns per task, and the
-/// micro-kernel `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over a full MR × NR tile.
+/// The code path of the GEMM's inner loops, chosen at run time from the CPU and the options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Portable,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512F (with AVX2 + FMA), where rustc can build it (`build.rs`).
+    #[cfg(fsdpturbo_avx512)]
+    Avx512,
+}
+
+impl Isa {
+    fn of(options: KernelOptions) -> Isa {
+        if !options.simd() {
+            return Isa::Portable;
+        }
+        #[cfg(all(target_arch = "x86_64", fsdpturbo_avx512))]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        Isa::Avx2
+    }
+}
+
+/// The per-accumulator-type parts of the GEMM: register-tile height and width, columns per
+/// task, the packing of A and B, and the micro-kernel
+/// `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over a full MR × NR tile.
 trait GemmAcc: Acc {
+    const MR: usize;
     const NR: usize;
     const NC: usize;
+    /// [`pack`] with MR lanes: the A panels.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn pack_a<T: Copy>(
+        src: &[T],
+        op: Operand,
+        mn0: usize,
+        len: usize,
+        k0: usize,
+        kc: usize,
+        dst: &mut [Self],
+        dec: &impl Fn(T) -> Self,
+    ) {
+        match Self::MR {
+            6 => pack::<T, Self, 6>(src, op, mn0, len, k0, kc, dst, dec),
+            12 => pack::<T, Self, 12>(src, op, mn0, len, k0, kc, dst, dec),
+            mr => unreachable!("no A packing for MR = {mr}"),
+        }
+    }
     /// Packs depth `k0..k0 + klen` of B (indices `mn0..mn0 + len`) as consecutive K blocks of
     /// [`GEMM_KC`] (the last may be shorter), block `kb` at `dst[np·(kb - k0)..]` with
     /// np = `len` rounded up to NR, each laid out as [`pack`] does. `tmp` is scratch.
@@ -46,10 +91,10 @@ trait GemmAcc: Acc {
         klen: usize,
         dst: &mut [Self],
         dec: &impl Fn(T) -> Self,
-        simd: bool,
+        isa: Isa,
         tmp: &mut Vec<Self>,
     );
-    fn kernel(simd: bool, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], ldc: usize);
+    fn kernel(isa: Isa, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], ldc: usize);
 }
 
 /// A strided operand: element (mn, p) (row/column index, depth index) at
@@ -149,7 +194,8 @@ fn pack_blocks<T: Copy, A: Acc, const R: usize>(
 }
 
 impl GemmAcc for f32 {
-    const NR: usize = 16;
+    const MR: usize = 12;
+    const NR: usize = 32;
     const NC: usize = 256;
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
@@ -162,35 +208,42 @@ impl GemmAcc for f32 {
         klen: usize,
         dst: &mut [f32],
         dec: &impl Fn(T) -> f32,
-        simd: bool,
+        isa: Isa,
         tmp: &mut Vec<f32>,
     ) {
         #[cfg(target_arch = "x86_64")]
-        if simd && op.s_k == 1 {
-            // SAFETY: the CPU has AVX2 and FMA (`simd` comes from the run-time check).
-            return unsafe { x86::pack_b_t16(src, op, mn0, len, k0, klen, dst, dec, tmp) };
+        if isa != Isa::Portable && op.s_k == 1 {
+            // SAFETY: the CPU has AVX2 and FMA (`isa` comes from the run-time check).
+            return unsafe { x86::pack_b_t32(src, op, mn0, len, k0, klen, dst, dec, tmp) };
         }
-        let _ = (simd, tmp);
-        pack_blocks::<T, f32, 16>(src, op, mn0, len, k0, klen, dst, dec)
+        let _ = (isa, tmp);
+        pack_blocks::<T, f32, 32>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
-    fn kernel(simd: bool, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
-        assert!(a.len() >= kc * MR && b.len() >= kc * 16 && c.len() >= (MR - 1) * ldc + 16 && ldc >= 16);
+    fn kernel(isa: Isa, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+        assert!(a.len() >= kc * 12 && b.len() >= kc * 32 && c.len() >= 11 * ldc + 32 && ldc >= 32);
         #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: the CPU has AVX2 and FMA (`simd` comes from `simd()`), and the lengths
-            // checked above cover every access of the kernel.
-            return unsafe { x86::kernel_f32(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
+        match isa {
+            // SAFETY (both): the CPU has the instructions (`isa` comes from the run-time
+            // check), and the lengths checked above cover every access of the kernels.
+            #[cfg(fsdpturbo_avx512)]
+            Isa::Avx512 => {
+                return unsafe { x86::kernel_f32_avx512(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
+            }
+            Isa::Avx2 => {
+                return unsafe { x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
+            }
+            Isa::Portable => {}
         }
-        let _ = simd;
-        portable_kernel::<f32, 16>(kc, a, b, c, ldc)
+        let _ = isa;
+        portable_kernel::<f32, 12, 32>(kc, a, b, c, ldc)
     }
 }
 
 /// The portable micro-kernel (f32 and f64): an MR × NR tile of C += A-panel × B-panel over
 /// `kc` steps, for CPUs without AVX2/FMA.
 #[inline(always)]
-fn portable_kernel<T, const NR: usize>(kc: usize, a: &[T], b: &[T], c: &mut [T], ldc: usize)
+fn portable_kernel<T, const MR: usize, const NR: usize>(kc: usize, a: &[T], b: &[T], c: &mut [T], ldc: usize)
 where
     T: Copy + Default + std::ops::AddAssign + std::ops::Mul<Output = T>,
 {
@@ -210,6 +263,7 @@ where
 }
 
 impl GemmAcc for f64 {
+    const MR: usize = 6;
     const NR: usize = 8;
     const NC: usize = 128;
     #[inline(always)]
@@ -223,25 +277,26 @@ impl GemmAcc for f64 {
         klen: usize,
         dst: &mut [f64],
         dec: &impl Fn(T) -> f64,
-        _simd: bool,
+        _isa: Isa,
         _tmp: &mut Vec<f64>,
     ) {
         pack_blocks::<T, f64, 8>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
-    fn kernel(simd: bool, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], ldc: usize) {
-        assert!(a.len() >= kc * MR && b.len() >= kc * 8 && c.len() >= (MR - 1) * ldc + 8 && ldc >= 8);
+    fn kernel(isa: Isa, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], ldc: usize) {
+        assert!(a.len() >= kc * 6 && b.len() >= kc * 8 && c.len() >= 5 * ldc + 8 && ldc >= 8);
         #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: as for f32.
+        if isa != Isa::Portable {
+            // SAFETY: as for f32 (the AVX2 kernel serves both SIMD paths).
             return unsafe { x86::kernel_f64(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
         }
-        let _ = simd;
-        portable_kernel::<f64, 8>(kc, a, b, c, ldc)
+        let _ = isa;
+        portable_kernel::<f64, 6, 8>(kc, a, b, c, ldc)
     }
 }
 
-/// AVX2 + FMA register tiles: 12 accumulators (6 rows × two 8-float or two 4-double vectors).
+/// The x86 register tiles: AVX-512 (f32: 24 accumulators, 12 rows × two 16-float vectors) and
+/// AVX2 + FMA (f32: that tile as four 6 × 16 quarters; f64: 6 rows × two 4-double vectors).
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -312,10 +367,10 @@ fn run_task<T: Copy, A: GemmAcc>(
     ws: &mut Workspace<A>,
     dec: &impl Fn(T) -> A,
     enc: &impl Fn(A) -> T,
-    simd: bool,
+    isa: Isa,
 ) {
-    let nr = A::NR;
-    let mp = round_up(task.m_len, MR);
+    let (mr, nr) = (A::MR, A::NR);
+    let mp = round_up(task.m_len, mr);
     let np = round_up(task.n_len, nr);
     let scratch = &mut ws.c[..mp * np];
     scratch.fill(A::default());
@@ -327,22 +382,22 @@ fn run_task<T: Copy, A: GemmAcc>(
             ws.b.resize(np * clen, A::default());
         }
         let bchunk = &mut ws.b[..np * clen];
-        A::pack_b(b_src, p.b, task.n0, task.n_len, c0, clen, bchunk, dec, simd, &mut ws.t);
+        A::pack_b(b_src, p.b, task.n0, task.n_len, c0, clen, bchunk, dec, isa, &mut ws.t);
         for k0 in (c0..c0 + clen).step_by(GEMM_KC) {
             let kc = GEMM_KC.min(c0 + clen - k0);
             let bpack = &bchunk[np * (k0 - c0)..np * (k0 - c0 + kc)];
             let mut i0 = 0;
             while i0 < task.m_len {
                 let mc = MC.min(task.m_len - i0);
-                let mcp = round_up(mc, MR);
+                let mcp = round_up(mc, mr);
                 let apack = &mut ws.a[..mcp * kc];
-                pack::<T, A, MR>(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec);
+                A::pack_a(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec);
                 for jr in 0..np / nr {
                     let bp = &bpack[jr * kc * nr..(jr + 1) * kc * nr];
-                    for ir in 0..mcp / MR {
-                        let ap = &apack[ir * kc * MR..(ir + 1) * kc * MR];
-                        let tile = (i0 + ir * MR) * np + jr * nr;
-                        A::kernel(simd, kc, ap, bp, &mut scratch[tile..], np);
+                    for ir in 0..mcp / mr {
+                        let ap = &apack[ir * kc * mr..(ir + 1) * kc * mr];
+                        let tile = (i0 + ir * mr) * np + jr * nr;
+                        A::kernel(isa, kc, ap, bp, &mut scratch[tile..], np);
                     }
                 }
                 i0 += MC;
@@ -359,22 +414,40 @@ fn run_task<T: Copy, A: GemmAcc>(
     }
 }
 
-/// [`run_task`] compiled for AVX2 + FMA, so packing and conversions use them too.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn run_task_avx2<T: Copy, A: GemmAcc>(
-    task: Task,
-    p: &Problem,
-    a_src: &[T],
-    b_src: &[T],
-    out: &SharedOut<T>,
-    ws: &mut Workspace<A>,
-    dec: &impl Fn(T) -> A,
-    enc: &impl Fn(A) -> T,
-) {
-    run_task(task, p, a_src, b_src, out, ws, dec, enc, true)
+/// Defines `$name`: [`run_task`] on the `$isa` path compiled with `$features`, so packing and
+/// conversions use them too.
+macro_rules! run_task_compiled_for {
+    ($(#[$cfg:meta])* $name:ident, $features:literal, $isa:expr) => {
+        $(#[$cfg])*
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        fn $name<T: Copy, A: GemmAcc>(
+            task: Task,
+            p: &Problem,
+            a_src: &[T],
+            b_src: &[T],
+            out: &SharedOut<T>,
+            ws: &mut Workspace<A>,
+            dec: &impl Fn(T) -> A,
+            enc: &impl Fn(A) -> T,
+        ) {
+            run_task(task, p, a_src, b_src, out, ws, dec, enc, $isa)
+        }
+    };
 }
+
+run_task_compiled_for!(
+    #[cfg(target_arch = "x86_64")]
+    run_task_avx2,
+    "avx2,fma",
+    Isa::Avx2
+);
+run_task_compiled_for!(
+    #[cfg(all(target_arch = "x86_64", fsdpturbo_avx512))]
+    run_task_avx512,
+    "avx512f,avx2,fma",
+    Isa::Avx512
+);
 
 #[allow(clippy::too_many_arguments)]
 fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
@@ -383,14 +456,14 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
     c: &mut [T],
     problems: &[Problem],
     threads: usize,
-    simd: bool,
+    isa: Isa,
     dec: impl Fn(T) -> A + Sync,
     enc: impl Fn(A) -> T + Sync,
 ) {
     let mut tasks = Vec::new();
     for (pi, p) in problems.iter().enumerate() {
         let parts = p.m.div_ceil(MB);
-        let rows = if parts == 0 { 0 } else { round_up(p.m.div_ceil(parts), MR) };
+        let rows = if parts == 0 { 0 } else { round_up(p.m.div_ceil(parts), A::MR) };
         for m0 in (0..p.m).step_by(rows.max(1)) {
             for n0 in (0..p.n).step_by(A::NC) {
                 tasks.push(Task {
@@ -418,12 +491,21 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
             let Some(&task) = tasks.get(t) else { break };
             let p = &problems[task.problem];
             #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: the CPU has AVX2 and FMA (`simd` comes from `simd()`).
-                unsafe { run_task_avx2(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
-                continue;
+            match isa {
+                // SAFETY (both): the CPU has the instructions (`isa` comes from the run-time
+                // check).
+                #[cfg(fsdpturbo_avx512)]
+                Isa::Avx512 => {
+                    unsafe { run_task_avx512(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
+                    continue;
+                }
+                Isa::Avx2 => {
+                    unsafe { run_task_avx2(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
+                    continue;
+                }
+                Isa::Portable => {}
             }
-            run_task(task, p, a_src, b_src, &out, &mut ws, &dec, &enc, simd);
+            run_task(task, p, a_src, b_src, &out, &mut ws, &dec, &enc, isa);
         }
     };
     let threads = threads.min(tasks.len());
@@ -468,6 +550,8 @@ fn elems(a: usize, b: usize, what: &str) -> Result<usize> {
     a.checked_mul(b).ok_or_else(|| Error::invalid(format!("the size of `{what}` overflows ({a} × {b})")))
 }
 
+/// One of the three grouped GEMMs on the `isa` code path (the public entry points pass
+/// `Isa::of(options)`).
 #[allow(clippy::too_many_arguments)]
 fn grouped(
     op: GemmOp,
@@ -478,6 +562,7 @@ fn grouped(
     in_features: usize,
     out_features: usize,
     options: KernelOptions,
+    isa: Isa,
 ) -> Result<()> {
     let (starts, n) = group_starts(group_rows)?;
     let groups = group_rows.len();
@@ -537,19 +622,18 @@ fn grouped(
         .collect();
     let flops = 2usize.saturating_mul(n).saturating_mul(i).saturating_mul(o);
     let threads = options.threads_for(flops, GEMM_PARALLEL_MIN_FLOPS);
-    let simd = options.simd();
     match (a.1, b.1, c.1) {
         (HostBuf::F32(x), HostBuf::F32(w), HostBufMut::F32(y)) => {
-            run_gemm(x, w, y, &problems, threads, simd, ident, ident)
+            run_gemm(x, w, y, &problems, threads, isa, ident, ident)
         }
         (HostBuf::F64(x), HostBuf::F64(w), HostBufMut::F64(y)) => {
-            run_gemm(x, w, y, &problems, threads, simd, ident::<f64>, ident::<f64>)
+            run_gemm(x, w, y, &problems, threads, isa, ident::<f64>, ident::<f64>)
         }
         (HostBuf::Bf16(x), HostBuf::Bf16(w), HostBufMut::Bf16(y)) => {
-            run_gemm(x, w, y, &problems, threads, simd, bf16_to_f32, f32_to_bf16)
+            run_gemm(x, w, y, &problems, threads, isa, bf16_to_f32, f32_to_bf16)
         }
         (HostBuf::F16(x), HostBuf::F16(w), HostBufMut::F16(y)) => {
-            run_gemm(x, w, y, &problems, threads, simd, f16_to_f32, f32_to_f16)
+            run_gemm(x, w, y, &problems, threads, isa, f16_to_f32, f32_to_f16)
         }
         _ => unreachable!("dtypes checked above"),
     }
@@ -583,7 +667,7 @@ pub fn grouped_matmul_with(
     options: KernelOptions,
 ) -> Result<()> {
     let (a, b, c) = (("x", x), ("weight", weight), ("y", y));
-    grouped(GemmOp::Forward, a, b, c, group_rows, in_features, out_features, options)
+    grouped(GemmOp::Forward, a, b, c, group_rows, in_features, out_features, options, Isa::of(options))
 }
 
 /// The input gradient of [`grouped_matmul`]: `grad_x[rows of g] = grad_y[rows of g] @ weight[g]`,
@@ -611,7 +695,7 @@ pub fn grouped_matmul_grad_input_with(
     options: KernelOptions,
 ) -> Result<()> {
     let (a, b, c) = (("grad_y", grad_y), ("weight", weight), ("grad_x", grad_x));
-    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, options)
+    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, options, Isa::of(options))
 }
 
 /// The weight gradient of [`grouped_matmul`]: `grad_weight[g] = grad_y[rows of g]^T @ x[rows of g]`,
@@ -639,5 +723,52 @@ pub fn grouped_matmul_grad_weight_with(
     options: KernelOptions,
 ) -> Result<()> {
     let (a, b, c) = (("grad_y", grad_y), ("x", x), ("grad_weight", grad_weight));
-    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, options)
+    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, options, Isa::of(options))
+}
+
+#[cfg(all(test, target_arch = "x86_64", fsdpturbo_avx512))]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    fn values(seed: u64, len: usize) -> Vec<f32> {
+        let mut state = seed;
+        (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_avx512_and_avx2_kernels_give_the_same_bits() {
+        if !(std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: the CPU lacks AVX-512F or FMA");
+            return;
+        }
+        // Edge tiles in every dimension (rows, columns and depth not multiples of 12, 32 and
+        // the K block), an empty group, and depths above the K block.
+        let counts = [13u64, 0, 40, 300, 1];
+        let (i, o) = (270, 45);
+        let n = counts.iter().sum::<u64>() as usize;
+        let (x, w, gy) = (values(1, n * i), values(2, counts.len() * o * i), values(3, n * o));
+        let bf = |v: &[f32]| v.iter().map(|&f| f32_to_bf16(f)).collect::<Vec<u16>>();
+        let (xb, gyb) = (bf(&x), bf(&gy));
+        let options = KernelOptions { threads: Some(2), portable: false };
+        let run = |isa: Isa| {
+            let gemm =
+                |op, a, b, c| grouped(op, ("a", a), ("b", b), ("c", c), &counts, i, o, options, isa).unwrap();
+            let (mut y, mut gx, mut gw) =
+                (vec![0f32; n * o], vec![0f32; n * i], vec![0f32; counts.len() * o * i]);
+            let mut gw_bf16 = vec![0u16; counts.len() * o * i];
+            gemm(GemmOp::Forward, HostBuf::F32(&x), HostBuf::F32(&w), HostBufMut::F32(&mut y));
+            gemm(GemmOp::GradInput, HostBuf::F32(&gy), HostBuf::F32(&w), HostBufMut::F32(&mut gx));
+            gemm(GemmOp::GradWeight, HostBuf::F32(&gy), HostBuf::F32(&x), HostBufMut::F32(&mut gw));
+            gemm(GemmOp::GradWeight, HostBuf::Bf16(&gyb), HostBuf::Bf16(&xb), HostBufMut::Bf16(&mut gw_bf16));
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+            (bits(&y), bits(&gx), bits(&gw), gw_bf16)
+        };
+        assert!(run(Isa::Avx512) == run(Isa::Avx2));
+    }
 }

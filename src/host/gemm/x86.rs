@@ -1,6 +1,6 @@
 use std::arch::x86_64::*;
 
-use super::{GEMM_KC, MR, Operand, pack, round_up};
+use super::{GEMM_KC, Operand, pack, round_up};
 
 /// The columns of an 8 × 8 block given as 8 rows.
 #[inline]
@@ -35,14 +35,14 @@ fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
     ]
 }
 
-/// `pack_blocks::<T, f32, 16>` for an operand whose depth is contiguous (`s_k == 1`): each
-/// whole panel's 16 rows are first decoded into `tmp` over the full depth range (one long
+/// `pack_blocks::<T, f32, 32>` for an operand whose depth is contiguous (`s_k == 1`): each
+/// whole panel's 32 rows are first decoded into `tmp` over the full depth range (one long
 /// sequential read per row; reading the rows side by side, often a multiple of 4 KiB
 /// apart, would make the cache sets thrash and defeat the prefetchers), then transposed
 /// 8 × 8 in registers into each K block. Writes the same values as the portable pack.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn pack_b_t16<T: Copy>(
+pub(super) fn pack_b_t32<T: Copy>(
     src: &[T],
     op: Operand,
     mn0: usize,
@@ -53,7 +53,7 @@ pub(super) fn pack_b_t16<T: Copy>(
     dec: &impl Fn(T) -> f32,
     tmp: &mut Vec<f32>,
 ) {
-    const R: usize = 16;
+    const R: usize = 32;
     let full = len / R;
     let np = round_up(len, R);
     // Rows of `tmp` one cache line longer than needed, so they do not share cache sets.
@@ -73,13 +73,13 @@ pub(super) fn pack_b_t16<T: Copy>(
             let panel = &mut dst[np * d + q * kc * R..np * d + (q + 1) * kc * R];
             let whole = kc / 8 * 8;
             for b in (0..whole).step_by(8) {
-                for half in 0..2 {
+                for eighth in 0..R / 8 {
                     // SAFETY: `d + b + 8 <= klen`: each row holds the 8 floats read.
                     let v: [__m256; 8] = std::array::from_fn(|i| unsafe {
-                        _mm256_loadu_ps(rows[half * 8 + i][d + b..d + b + 8].as_ptr())
+                        _mm256_loadu_ps(rows[eighth * 8 + i][d + b..d + b + 8].as_ptr())
                     });
                     for (p, col) in transpose8(v).into_iter().enumerate() {
-                        let at = &mut panel[(b + p) * R + half * 8..][..8];
+                        let at = &mut panel[(b + p) * R + eighth * 8..][..8];
                         // SAFETY: `at` holds 8 floats.
                         unsafe { _mm256_storeu_ps(at.as_mut_ptr(), col) };
                     }
@@ -111,31 +111,65 @@ pub(super) fn pack_b_t16<T: Copy>(
     }
 }
 
-/// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·16 + j]`, i < 6, j < 16.
+/// `c[i·ldc + j] += Σ_p a[p·12 + i] · b[p·32 + j]`, i < 12, j < 32: per element a chain of
+/// fused multiply-adds over p from zero, added to c at the end.
 ///
 /// # Safety
-/// AVX2 and FMA are available; `a` holds 6·kc, `b` 16·kc floats, and `c` a 6 × 16 tile
-/// with row stride `ldc`.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn kernel_f32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+/// AVX-512F is available; `a` holds 12·kc, `b` 32·kc floats, and `c` a 12 × 32 tile with row
+/// stride `ldc`.
+#[cfg(fsdpturbo_avx512)]
+#[clippy::msrv = "1.89"]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn kernel_f32_avx512(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
-        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        let mut acc = [[_mm512_setzero_ps(); 2]; 12];
         for p in 0..kc {
-            let bp = b.add(p * 16);
-            let b0 = _mm256_loadu_ps(bp);
-            let b1 = _mm256_loadu_ps(bp.add(8));
-            let ap = a.add(p * MR);
+            let bp = b.add(p * 32);
+            let b0 = _mm512_loadu_ps(bp);
+            let b1 = _mm512_loadu_ps(bp.add(16));
+            let ap = a.add(p * 12);
             for (i, row) in acc.iter_mut().enumerate() {
-                let ai = _mm256_broadcast_ss(&*ap.add(i));
-                row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
-                row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+                let ai = _mm512_set1_ps(*ap.add(i));
+                row[0] = _mm512_fmadd_ps(ai, b0, row[0]);
+                row[1] = _mm512_fmadd_ps(ai, b1, row[1]);
             }
         }
         for (i, row) in acc.iter().enumerate() {
             let cp = c.add(i * ldc);
-            _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), row[0]));
-            _mm256_storeu_ps(cp.add(8), _mm256_add_ps(_mm256_loadu_ps(cp.add(8)), row[1]));
+            _mm512_storeu_ps(cp, _mm512_add_ps(_mm512_loadu_ps(cp), row[0]));
+            _mm512_storeu_ps(cp.add(16), _mm512_add_ps(_mm512_loadu_ps(cp.add(16)), row[1]));
+        }
+    }
+}
+
+/// What [`kernel_f32_avx512`] computes, with the same operations per element, as four 6 × 16
+/// quarters of 12 AVX2 accumulators each.
+///
+/// # Safety
+/// AVX2 and FMA are available; otherwise as for [`kernel_f32_avx512`].
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn kernel_f32_avx2(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+    // SAFETY: the caller's contract covers every pointer offset below.
+    unsafe {
+        for (i0, j0) in [(0, 0), (0, 16), (6, 0), (6, 16)] {
+            let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+            for p in 0..kc {
+                let bp = b.add(p * 32 + j0);
+                let b0 = _mm256_loadu_ps(bp);
+                let b1 = _mm256_loadu_ps(bp.add(8));
+                let ap = a.add(p * 12 + i0);
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let ai = _mm256_broadcast_ss(&*ap.add(i));
+                    row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                    row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+                }
+            }
+            for (i, row) in acc.iter().enumerate() {
+                let cp = c.add((i0 + i) * ldc + j0);
+                _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), row[0]));
+                _mm256_storeu_ps(cp.add(8), _mm256_add_ps(_mm256_loadu_ps(cp.add(8)), row[1]));
+            }
         }
     }
 }
@@ -143,17 +177,17 @@ pub(super) unsafe fn kernel_f32(kc: usize, a: *const f32, b: *const f32, c: *mut
 /// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·8 + j]`, i < 6, j < 8.
 ///
 /// # Safety
-/// As for `kernel_f32`, with 8·kc doubles of `b` and a 6 × 8 tile.
+/// As for [`kernel_f32_avx2`], with `a` holding 6·kc and `b` 8·kc doubles, and a 6 × 8 tile.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn kernel_f64(kc: usize, a: *const f64, b: *const f64, c: *mut f64, ldc: usize) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
-        let mut acc = [[_mm256_setzero_pd(); 2]; MR];
+        let mut acc = [[_mm256_setzero_pd(); 2]; 6];
         for p in 0..kc {
             let bp = b.add(p * 8);
             let b0 = _mm256_loadu_pd(bp);
             let b1 = _mm256_loadu_pd(bp.add(4));
-            let ap = a.add(p * MR);
+            let ap = a.add(p * 6);
             for (i, row) in acc.iter_mut().enumerate() {
                 let ai = _mm256_broadcast_sd(&*ap.add(i));
                 row[0] = _mm256_fmadd_pd(ai, b0, row[0]);

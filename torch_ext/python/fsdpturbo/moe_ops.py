@@ -33,12 +33,13 @@ def _unpermute_backward(ctx, grad):
     grad_permuted = ops.moe_permute(grad, permutation, ctx.top_k)
     grad_probs = None
     if ctx.has_probs:
+        # Row r of `permuted` is slot permutation[r]: its weight's gradient is the row's dot
+        # product with its token's gradient (row r of the gathered gradient), scattered back.
+        grad_probs = torch.zeros(probs.numel(), dtype=probs.dtype, device=probs.device)
+        grad_probs[permutation] = (permuted * grad_permuted).sum(-1).to(probs.dtype)
+        grad_probs = grad_probs.view_as(probs)
         slot_weight = probs.reshape(-1).index_select(0, permutation).to(grad.dtype)
         grad_permuted = grad_permuted * slot_weight.unsqueeze(-1)
-        inverse = torch.empty_like(permutation)
-        inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-        per_slot = permuted.index_select(0, inverse).view(ctx.tokens, ctx.top_k, permuted.size(-1))
-        grad_probs = (per_slot * grad.unsqueeze(1)).sum(-1).to(probs.dtype).view_as(probs)
     return grad_permuted, None, grad_probs, None, None
 
 

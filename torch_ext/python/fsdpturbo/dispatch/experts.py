@@ -20,6 +20,11 @@ class GradientReduction:
     groups: tuple
     factor: float
 
+    @property
+    def is_identity(self):
+        """Nothing to reduce and nothing to divide (one rank, factor 1)."""
+        return not self.groups and self.factor == 1
+
 
 class _ReduceGradient(torch.autograd.Function):
     """Identity forward; the backward applies a `GradientReduction` to the incoming gradient.
@@ -42,11 +47,11 @@ class _ReduceGradient(torch.autograd.Function):
 def expert_weight(module, name):
     """The local slice of expert weight `name` of an EP module, as the forward uses it. Until
     `expert_fully_shard_modules` takes the module over, its backward reduces and divides the
-    gradient (`module.ep_gradient_reduction`)."""
+    gradient (`module.ep_gradient_reduction`), unless that is the identity."""
     weight = getattr(module, name)
     local = weight.to_local() if isinstance(weight, DTensor) else weight
     reduction = getattr(module, "ep_gradient_reduction", None)
-    if reduction is not None and local.requires_grad:
+    if reduction is not None and not reduction.is_identity and local.requires_grad:
         local = _ReduceGradient.apply(local, reduction)
     return local
 
@@ -56,11 +61,45 @@ def expert_weights(module):
     return expert_weight(module, "gate_up_proj"), expert_weight(module, "down_proj")
 
 
+class _SiluGate(torch.autograd.Function):
+    """silu(gate) · up from `gate_up` [rows, 2·I] (gate, then up): torch's own silu and
+    silu_backward, with the backward writing both halves of one [rows, 2·I] gradient in place
+    (no `cat` of the two halves)."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate_up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, activated = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(grad, activated, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_gate_up
+
+
+# The SiLU activation modules of torch and Hugging Face (`ACT2FN["silu"]`), by qualified name.
+_SILU_MODULES = {"torch.nn.modules.activation.SiLU", "transformers.activations.SiLUActivation"}
+
+
+def _is_silu(act_fn):
+    kind = type(act_fn)
+    return act_fn is F.silu or f"{kind.__module__}.{kind.__qualname__}" in _SILU_MODULES
+
+
 def activation(module, gate_up):
     """act(gate) · up from the first matmul's output [rows, 2·I], with the module's `limit`
     clamp when it has one (gpt-oss style)."""
-    gate, up = gate_up.chunk(2, dim=-1)
     limit = getattr(module, "limit", None)
+    if limit is None and _is_silu(module.act_fn) and gate_up.size(-1) % 2 == 0:
+        return _SiluGate.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return module.act_fn(gate) * up

@@ -19,7 +19,7 @@ class Route:
     top_k: int
     receive: Receive
     per_expert: torch.Tensor            # rows per local expert
-    local_order: torch.Tensor           # receive order → local-expert-major
+    local_order: Optional[torch.Tensor]  # receive order → local-expert-major (None: one rank, no reorder)
 
 
 class FusedStrategy(Strategy):
@@ -32,13 +32,19 @@ class FusedStrategy(Strategy):
 
     def route(self, module, index, receive, permutation, ep_group):
         per_expert = torch.tensor(receive.tokens_per_local_expert, dtype=torch.int64, device=index.device)
+        # One rank receives its own rows in send order, already grouped by expert (`moe_route`
+        # sorts by expert id): no local reorder.
+        local_order = None if dist.get_world_size(ep_group) == 1 else \
+            receive.local_order(module.num_local_experts, index.device)
         return Route(permutation=permutation, top_k=index.size(1), receive=receive, per_expert=per_expert,
-                     local_order=receive.local_order(module.num_local_experts, index.device))
+                     local_order=local_order)
 
     def permute(self, hidden, route):
         return ops.moe_permute(hidden.contiguous(), route.permutation, route.top_k)
 
     def compute(self, module, received, route, ep_group):
+        if route.local_order is None:
+            return experts.grouped_mlp(module, received, route.per_expert, route.receive.tokens_per_local_expert)
         grouped = ops.moe_permute(received, route.local_order, 1)
         out = experts.grouped_mlp(module, grouped, route.per_expert, route.receive.tokens_per_local_expert)
         return ops.moe_unpermute(out, route.local_order, None, out.size(0), 1)

@@ -97,7 +97,9 @@ def activation(module, gate_up):
     """act(gate) · up from the first matmul's output [rows, 2·I], with the module's `limit`
     clamp when it has one (gpt-oss style)."""
     limit = getattr(module, "limit", None)
-    if limit is None and _is_silu(module.act_fn) and gate_up.size(-1) % 2 == 0:
+    # Traced, the plain expression: inductor fuses it, and dynamo cannot trace `out=` into halves.
+    if limit is None and _is_silu(module.act_fn) and gate_up.size(-1) % 2 == 0 and \
+            not torch.compiler.is_compiling():
         return _SiluGate.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if limit is not None:

@@ -67,13 +67,9 @@ class Capacity:
         """The capacity of a validated `dist_config` dict (`TrainConfig.values["dist"]`), or None
         (dropless)."""
         factor, tokens = dist_config.get("capacity_factor"), dist_config.get("expert_capacity")
-        overflow = dist_config.get("capacity_overflow")
         if factor is None and tokens is None:
-            if overflow is not None:
-                raise ValueError(f"fsdpturbo: dist_config.capacity_overflow ({overflow!r}) needs a capacity: set "
-                                 f"capacity_factor or expert_capacity")
             return None
-        return cls(factor=factor, tokens=tokens, overflow=overflow or "drop")
+        return cls(factor=factor, tokens=tokens, overflow=dist_config.get("capacity_overflow") or "drop")
 
     def rows(self, tokens, top_k, num_experts):
         """C: the rows each expert takes from one rank in a forward of `tokens` tokens."""

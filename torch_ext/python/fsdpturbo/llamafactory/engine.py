@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from .. import norm
-from ..dispatch import Capacity
 from ..engine import fully_shard_outer, materialize
 from ..placement import copy_weights_
 from ..pattern import Pattern
@@ -151,8 +150,7 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
             efsdp_size = self.ep_fsdp_size if self.ep_fsdp_size is not None else state.efsdp_size
             ep_plan = EPPlanConfig(apply_modules=spec.ep_modules,
                                    dispatcher=self.dist_config.get("ep_dispatcher", "eager"),
-                                   apply_efsdp_modules=get_ep_fsdp_modules(spec),
-                                   capacity=Capacity.from_dist_config(self.dist_config))
+                                   apply_efsdp_modules=get_ep_fsdp_modules(spec))
             # dp = ep · efsdp · edp (the seed: ep · efsdp, which is dp only when edp = 1).
             ep_plan.gradient_divide_factor = float(self.ep_size * state.efsdp_size * getattr(state, "edp_size", 1))
             fsdp_plan = FSDPPlanConfig(apply_modules={},

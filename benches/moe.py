@@ -48,7 +48,13 @@ def routing(tokens=16384, top_k=8, num_experts=128, ep_size=8):
           f"torch histc+argsort {t_torch * 1e3:.2f} ms, ratio {t_torch / t_ours:.1f}x")
 
 
-def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16, top_k=4):
+def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16, top_k=4, *, capacity=None,
+               compiled=False, device="cpu"):
+    """One forward + backward of a Qwen3-MoE sparse block under `dispatcher` (ep 1), its weights
+    drawn from N(0, 0.02) (Hugging Face leaves them uninitialised: zeros here, which would send
+    every token to the same experts); with a `Capacity`, the capacity-bounded dispatch;
+    `compiled`: under torch.compile (inductor). `step(set_to_none=False)` keeps the gradient
+    buffers (CUDA-graph capture)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -56,14 +62,19 @@ def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16
     config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
                             num_experts_per_tok=top_k)
     config._experts_implementation = "eager"
-    moe = Qwen3MoeSparseMoeBlock(config).to(dtype)
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    expert_parallelize_modules(moe, mesh["ep"], EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher))
-    x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+    moe = Qwen3MoeSparseMoeBlock(config).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0, 0.02)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device, (1,), mesh_dim_names=("ep",))
+    expert_parallelize_modules(moe, mesh["ep"], EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher,
+                                                             capacity=capacity))
+    run = torch.compile(moe) if compiled else moe
+    x = torch.randn(1, tokens, hidden, dtype=dtype, device=device, requires_grad=True)
 
-    def step():
-        moe.zero_grad(set_to_none=True)
-        moe(x).sum().backward()
+    def step(set_to_none=True):
+        moe.zero_grad(set_to_none=set_to_none)
+        run(x).sum().backward()
 
     return step
 

@@ -64,6 +64,7 @@ def main():
             if capacity is not None and dispatcher == "domino":
                 continue  # domino has no capacity mode
             eager = timed(block_step(dispatcher, dtype, capacity=capacity, device=args.device), args.device)
+            torch._dynamo.reset()  # each variant compiles afresh (one process holds them all)
             compiled = timed(block_step(dispatcher, dtype, capacity=capacity, device=args.device, compiled=True),
                              args.device)
             dropless = dropless or eager

@@ -9,8 +9,9 @@ that must be:
 - FSDP2: its hooks run under `torch._dynamo.disable` (`_fsdp_common.py`).
 
 Compiled and eager runs round differently (inductor fuses the activation, the softmax, the
-weighted combine): each element agrees within 1e-6 of itself, floored at 1e-6 of the tensor's
-largest element (the rounding a cancelling sum carries)."""
+weighted combine): each element agrees within 1e-6 of itself, floored at 2e-6 of the tensor's
+largest element (the rounding a cancelling sum carries; the worst measured, an attention weight
+gradient six layers deep, needs 1.07e-6)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from test_capacity import TOKENS, _ep_block, _step
 from test_ep import _data
 
 RTOL = 1e-6
+ATOL_OF_MAX = 2e-6
 VARIANTS = {"eager": ("eager", None), "fused": ("fused", None), "domino": ("domino", None),
             "capacity eager": ("eager", Capacity(factor=2.0)), "capacity fused": ("fused", Capacity(factor=2.0))}
 # The frames that may break a graph, as (file, function) of the innermost user frame.
@@ -29,7 +31,7 @@ FSDP_HOOKS = ("_fsdp_common.py", "wrapper")
 
 
 def _assert_close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * expected.abs().max().item(),
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL_OF_MAX * expected.abs().max().item(),
                                msg=lambda m: f"{what}: {m}")
 
 
@@ -67,25 +69,30 @@ def test_compiled_blocks_equal_eager(variants):
 
 
 def _model_rank_fn(rank, world, capacity_factor):
-    """shard_model (EP 2 × FSDP2) compiled whole, 2 SGD steps against the same model run eagerly:
+    """shard_model (EP 2 × FSDP2) of a LAYERS-layer Qwen3-MoE compiled whole, 2 SGD steps against
+    the same model run eagerly (use_cache=False, as in training):
     losses, every gradient and the parameters after the steps (SGD: AdamW's normalisation
     turns rounding in near-zero gradients into lr-sized steps, which would hide the comparison)."""
-    from test_train import batch, build_model, full, train_config
+    from test_train import batch, full, tiny_config, train_config
+    from transformers import Qwen3MoeForCausalLM
 
     from fsdpturbo.engine import shard_model
 
-    config = train_config(world, dispatcher="fused")
-    if capacity_factor is not None:
-        config["dist_config"]["capacity_factor"] = capacity_factor
+    torch._dynamo.config.recompile_limit = 4  # this rank's own process
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    hf_config = tiny_config("qwen3_moe")
+    hf_config.num_hidden_layers = LAYERS
+    config = train_config(world, dispatcher="fused", capacity_factor=capacity_factor)
     runs = []
     for compiled in (False, True):
-        model = shard_model(build_model("qwen3_moe"), config)
+        torch.manual_seed(0)
+        model = shard_model(Qwen3MoeForCausalLM(hf_config), config)
         run = torch.compile(model) if compiled else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         steps = []
         for step in range(2):
             ids = batch(step, world)[rank:rank + 1]
-            loss = run(input_ids=ids, labels=ids).loss
+            loss = run(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             steps.append((loss.detach(), {n: full(p.grad) for n, p in model.named_parameters()}))
             optimizer.step()
@@ -99,10 +106,16 @@ def _model_rank_fn(rank, world, capacity_factor):
     for name in want_params:
         _assert_close(got_params[name], want_params[name], f"parameter {name}")
     ids = batch(0, world)[rank:rank + 1]
-    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
     allowed = {FSDP_HOOKS} if capacity_factor is not None else {FSDP_HOOKS, HOST_READ}
     assert _breaks(explained) <= allowed, _breaks(explained)
     dist.barrier()
+
+
+# More decoder layers than the recompile limit below: a frame specialised per layer (a layer's
+# name in a traced string, a routing's split sizes) fails the test instead of quietly falling
+# back to eager. (transformers' own deprecation wrapper takes 4 versions.)
+LAYERS = 6
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 4.0], ids=["dropless", "capacity"])

@@ -15,8 +15,9 @@ dropless dispatchers do.
 Slots over capacity follow `capacity_overflow`: `drop` (the slot skips its expert and adds
 nothing; counted by `fsdpturbo.expert_load(..., with_dropped=True)`) or `fail` (every rank of
 the EP group raises, naming the layer, the expert and each rank's count; this reads one
-all-gathered count on the host, so `fail` is not sync-free). Expert ids outside [0, E) stop
-the run through a device-side assert (no host sync; on CPU it raises at once).
+all-gathered count on the host, so `fail` is not sync-free; compiled, a device-side assert
+without the counts). Expert ids outside [0, E) stop the run through a device-side assert (no
+host sync; on CPU it raises at once).
 
 With C ≥ every expert's load this equals the dropless dispatch: bitwise `fused` (the same
 kernels on the same rows, in the same order), and `eager` up to the GEMM's rounding (a batched
@@ -93,12 +94,12 @@ def _check_overflow(module, counts, capacity_rows, ep_group):
     """`capacity_overflow: fail`: every rank of the EP group raises when any rank sent any
     expert more than C slots (one all-gather of the counts, read on the host)."""
     gathered = funcol.all_gather_tensor(counts, 0, ep_group).view(-1, counts.numel())
-    name = getattr(module, "ft_name", type(module).__name__)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # no layer name: a traced string would specialise each layer's graph
         torch._assert_async((gathered <= capacity_rows).all(),
-                            f"fsdpturbo: {name}: an expert got more than its capacity of {capacity_rows} rows from a "
-                            f"rank (capacity_overflow: fail); run without torch.compile for the counts")
+                            f"fsdpturbo: an expert got more than its capacity of {capacity_rows} rows from a rank "
+                            f"(capacity_overflow: fail); run without torch.compile for the layer and the counts")
         return
+    name = getattr(module, "ft_name", type(module).__name__)
     over = gathered > capacity_rows
     if not bool(over.any()):
         return
@@ -135,8 +136,9 @@ def capacity_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gr
     rows = capacity.rows(tokens, top_k, num_experts)
     flat = index.reshape(-1).long()
     in_range = (flat >= 0) & (flat < num_experts)
-    torch._assert_async(in_range.all(), f"fsdpturbo: {getattr(module, 'ft_name', 'an EP module')}: expert ids "
-                                        f"outside [0, {num_experts}): top_k_index must hold expert ids of this layer")
+    # The message names no layer: a traced string would specialise each layer's graph.
+    torch._assert_async(in_range.all(), f"fsdpturbo: expert ids outside [0, {num_experts}) reached the capacity-bounded "
+                                        f"dispatch: top_k_index must hold expert ids of its layer")
     ids = torch.where(in_range, flat, num_experts)
     place, counts = _slot_places(ids, num_experts)
     if capacity.overflow == "fail":

@@ -185,7 +185,7 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
     """The forward of an expert module prepared by `expert_parallelize_modules` under `strategy`,
     the tokens in `slices` slices (1, or 2: domino)."""
     hidden, index, weights = prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
-    tokens, top_k = index.shape
+    tokens = index.size(0)
     num_experts = module.num_global_experts
     if slices == 1:
         parts = [(hidden, index, weights)]
@@ -194,16 +194,24 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
         bounds = [(min(i * size, tokens), min((i + 1) * size, tokens)) for i in range(slices)]
         parts = [(hidden[a:b], index[a:b], weights[a:b]) for a, b in bounds]
     counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
+    expert_stats.record(module, counts[dist.get_rank(ep_group), :, :num_experts].sum(0))
+    outputs = dispatch_by_counts(strategy, module, parts, index, counts, kept, ep_group)
+    return shaped_like(outputs[0] if len(outputs) == 1 else torch.cat(outputs), hidden_states)
+
+
+# The dispatch's one host read: the split sizes of the all-to-alls, which must be on the host
+# before they start (DESIGN §4.5). Under torch.compile this runs eagerly (one graph break per
+# MoE forward): traced, every new routing's sizes would be specialised into a new graph.
+@torch.compiler.disable
+def dispatch_by_counts(strategy, module, parts, index, counts, kept, ep_group):
+    """Each slice's rows to their experts and back, combined per token, from the gathered
+    counts [P, S, E + 1] read on the host."""
+    num_experts, local = module.num_global_experts, module.num_local_experts
     ep_rank = dist.get_rank(ep_group)
-    expert_stats.record(module, counts[ep_rank, :, :num_experts].sum(0))
-    # The dispatch's one host read (a graph break under torch.compile): the split sizes of the
-    # all-to-alls, which must be on the host before they start (DESIGN §4.5).
     host_counts = counts.tolist()
-    check_ids(index.reshape(-1), top_k, num_experts, host_counts, ep_group)
-    local = module.num_local_experts
+    check_ids(index.reshape(-1), index.size(1), num_experts, host_counts, ep_group)
     routes = [strategy.route(module, part[1], Receive.of([row[i][:num_experts] for row in host_counts], ep_rank, local),
                              kept[i], ep_group) for i, part in enumerate(parts)]
     received = [strategy.dispatch(part[0], route, ep_group) for part, route in zip(parts, routes)]
-    outputs = [strategy.combine(strategy.compute(module, rows, route, ep_group), route, part[2], ep_group)
-               for part, rows, route in zip(parts, received, routes)]
-    return shaped_like(outputs[0] if len(outputs) == 1 else torch.cat(outputs), hidden_states)
+    return [strategy.combine(strategy.compute(module, rows, route, ep_group), route, part[2], ep_group)
+            for part, rows, route in zip(parts, received, routes)]

@@ -11,8 +11,9 @@
 # forward/backward on each path, grad norm, a one-rank NCCL communicator through our loader), the
 # capacity-bounded dispatch (tests/python/test_cuda_graph.py: no host sync, one CUDA graph of
 # forward + backward replayed equal to eager, fullgraph compile),
-# the CPU-side backend tests, the C++ trainer through NCCL (one rank), then the benchmark table
-# (benches/cuda_moe.py). Logs and the benchmark JSON go to $OUT when set. Exit 1 on any failure.
+# the CPU-side backend tests, the C++ trainer through NCCL (one rank), then the benchmark tables
+# (benches/cuda_moe.py; benches/moe_modes.py: compiled vs eager, capacity vs dropless, CUDA-graph
+# replay vs eager launch). Logs and the benchmark JSON go to $OUT when set. Exit 1 on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -88,9 +89,12 @@ trainer() {
 step cpp_trainer_nccl trainer
 
 step benchmark $PY benches/cuda_moe.py --quick --json "$OUT/bench.json"
+step benchmark_modes $PY benches/moe_modes.py --device cuda --dtype bfloat16
 echo
 echo "== benchmark ($(date -u +%Y-%m-%dT%H:%MZ)) =="
 sed -n '/^device /,$p' "$OUT/benchmark.log"
+echo "== compile, capacity and CUDA-graph modes =="
+grep -v -i warn "$OUT/benchmark_modes.log"
 echo
 echo "total $(( $(date +%s) - START )) s"
 if (( ${#FAILED[@]} )); then

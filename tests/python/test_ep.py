@@ -186,27 +186,6 @@ def test_rank_with_zero_tokens_and_ranks_that_receive_nothing():
     run_ranks(_zero_tokens_rank_fn, 2)
 
 
-def _bf16_agreement_rank_fn(rank, world):
-    """Fused and eager on the same bf16 inputs: within one bf16 ulp; fused twice: bitwise."""
-    outputs = {}
-    for dispatcher in ("eager", "fused", "fused"):
-        block = _block(8, 2, torch.bfloat16)
-        state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
-        expert_parallelize_modules(block, state.sub_mesh("ep"), EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher))
-        x, _ = _data(world, torch.bfloat16)
-        out = block(x[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK].unsqueeze(0)).detach()
-        outputs.setdefault(dispatcher, []).append(out)
-    eager, (fused, again) = outputs["eager"][0], outputs["fused"]
-    assert torch.equal(fused, again)
-    ulp = torch.finfo(torch.bfloat16).eps * eager.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-    ulps = ((fused.float() - eager.float()).abs() / ulp).max().item()
-    assert ulps <= 1.0, f"fused and eager differ by {ulps:.2f} bf16 ulps"
-
-
-def test_fused_and_eager_agree_in_bf16_and_fused_is_deterministic():
-    run_ranks(_bf16_agreement_rank_fn, 2)
-
-
 def _user_dispatcher(ep_group, module, hidden_states, top_k_index, top_k_weights):
     """A user callable, bound to the EP group as the seed does: delegates to eager."""
     module.user_calls = getattr(module, "user_calls", 0) + 1

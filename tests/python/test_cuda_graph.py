@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from fsdpturbo.dispatch import Capacity
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
+from test_compile import _assert_close
 from test_ep import _block
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,11 +47,6 @@ def _step(block, x, cotangent):
     out = block(x.unsqueeze(0)).squeeze(0)
     (out * cotangent).sum().backward()
     return [out.detach(), x.grad, block.gate.weight.grad, block.experts.gate_up_proj.grad.to_local()]
-
-
-def _assert_close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item(),
-                               msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("dispatcher", ["eager", "fused"])

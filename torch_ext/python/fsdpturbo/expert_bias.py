@@ -20,6 +20,8 @@ it.
 import torch
 import torch.distributed as dist
 
+from . import expert_stats
+
 __all__ = ["install", "update_expert_bias"]
 
 BIAS = "expert_bias"
@@ -68,12 +70,7 @@ def count(router, taken):
     """Adds the ids a training forward took to the router's tally (no host sync)."""
     if not torch.is_grad_enabled():
         return
-    flat = taken.reshape(-1)
-    tally = getattr(router, _LOAD, None)
-    if tally is None or tally.device != flat.device:
-        tally = torch.zeros(router.num_experts, dtype=torch.int64, device=flat.device)
-        setattr(router, _LOAD, tally)
-    tally.scatter_add_(0, flat, torch.ones_like(flat))
+    expert_stats.add_to_tally(router, _LOAD, expert_stats.per_expert(taken, router.num_experts))
 
 
 def update_expert_bias(model, *, check=True, group=None):

@@ -15,10 +15,17 @@ import torch.distributed as dist
 
 from .recompute import in_recomputation
 
-__all__ = ["expert_load", "expert_load_table", "load_summary", "record"]
+__all__ = ["add_to_tally", "expert_load", "expert_load_table", "load_summary", "per_expert", "record"]
 
 _COUNTS = "ft_expert_load"
 _DROPPED = "ft_expert_dropped"
+
+
+def per_expert(ids, num_experts):
+    """How many of `ids` (any shape, values in [0, num_experts)) name each expert: int64
+    [num_experts], a scatter-add whose shape does not depend on the ids (unlike torch.bincount)."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def record(module, local_counts, dropped=None):
@@ -26,12 +33,13 @@ def record(module, local_counts, dropped=None):
     and `dropped` (those of them the capacity-bounded dispatch dropped) to its drop tally."""
     if in_recomputation():
         return
-    _add(module, _COUNTS, local_counts)
+    add_to_tally(module, _COUNTS, local_counts)
     if dropped is not None:
-        _add(module, _DROPPED, dropped)
+        add_to_tally(module, _DROPPED, dropped)
 
 
-def _add(module, attribute, counts):
+def add_to_tally(module, attribute, counts):
+    """Adds `counts` into the int64 tally `module.<attribute>` on their device (made at first use)."""
     tally = getattr(module, attribute, None)
     if tally is None or tally.device != counts.device:
         setattr(module, attribute, counts.detach().to(torch.int64).clone())

@@ -83,8 +83,7 @@ def _slot_places(ids, num_experts):
     """Each slot's place among this rank's slots of its expert (slot order), and the slots per
     expert [E + 1] (the last: ids outside [0, E)). Static shapes: a stable sort and a cumsum."""
     order = torch.argsort(ids, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    counts = expert_stats.per_expert(ids, num_experts + 1)
     starts = torch.cumsum(counts, 0) - counts
     place_sorted = torch.arange(ids.numel(), device=ids.device) - starts.index_select(0, ids.index_select(0, order))
     return torch.empty_like(place_sorted).index_copy_(0, order, place_sorted), counts
@@ -141,10 +140,11 @@ def capacity_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_gr
                                         f"dispatch: top_k_index must hold expert ids of its layer")
     ids = torch.where(in_range, flat, num_experts)
     place, counts = _slot_places(ids, num_experts)
+    routed = counts[:num_experts]
     if capacity.overflow == "fail":
-        _check_overflow(module, counts[:num_experts], rows, ep_group)
+        _check_overflow(module, routed, rows, ep_group)
     kept = in_range & (place < rows)
-    expert_stats.record(module, counts[:num_experts], dropped=counts[:num_experts] - counts[:num_experts].clamp(max=rows))
+    expert_stats.record(module, routed, dropped=routed - routed.clamp(max=rows))
 
     # Buffer row of each slot: expert-major, C rows per expert; a dropped slot → the spare row.
     slot_row = torch.where(kept, ids * rows + place, num_experts * rows)

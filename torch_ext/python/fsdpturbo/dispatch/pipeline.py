@@ -85,11 +85,8 @@ def gathered_counts(index_per_slice, num_experts, ep_group, count):
 
 
 def bincount(index, num_experts, ep_size):
-    """The default count: rows per global expert, nothing kept (a scatter-add: its shape does
-    not depend on the ids, unlike torch.bincount's)."""
-    flat = index.reshape(-1).long()
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat)), \
-        None
+    """The default count: rows per global expert, nothing kept."""
+    return expert_stats.per_expert(index, num_experts), None
 
 
 def check_ids(flat, top_k, num_experts, host_counts, ep_group):

@@ -104,10 +104,11 @@ def gathered(model, attr=None):
     return {n: full(getattr(p, attr) if attr else p) for n, p in model.named_parameters()}
 
 
-def train_steps(args, model, steps, clip, record=False):
+def train_steps(args, model, steps, clip, record=False, show=False):
     """Trains `steps` steps on this rank's slice of each global batch; returns per-step (global
     mean loss, grad norm, seconds) and, with `record`, per step the gathered parameters it
-    started from and the gathered gradients (rank 0 keeps them)."""
+    started from and its gathered (clipped) gradients (rank 0 keeps them). `show`: rank 0
+    prints each step as it ends."""
     rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     history, records = [], []
@@ -128,85 +129,70 @@ def train_steps(args, model, steps, clip, record=False):
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         history.append((mean_loss.item() / world, float(norm), seconds))
+        if show and rank == 0:
+            print(f"  {step:>4}{history[-1][0]:>11.5f}{history[-1][1]:>12.5f}"
+                  f"{world * args.batch * args.seq / seconds:>11.0f}", flush=True)
     return history, records
 
 
-def sharded_run(args, dispatcher, steps, record):
+def sharded_run(args, dispatcher, steps, record, show=False):
     """EP × EFSDP × outer FSDP2 through fsdpturbo; with `record`, also what `train_steps`
     records and the final parameters (rank 0 keeps them)."""
     from fsdpturbo import clip_grad_norm_
     from fsdpturbo.engine import shard_model
 
     model = shard_model(build_model(args), train_config(args, dispatcher))
-    history, records = train_steps(args, model, steps, clip_grad_norm_, record=record)
+    history, records = train_steps(args, model, steps, clip_grad_norm_, record=record, show=show)
     return history, records, gathered(model) if record else None
 
 
-def reference_run(args, world, records):
-    """The same steps in one process on the whole global batch, each step starting from the
-    parameters the sharded run started it from (so every step's loss and gradients are compared
-    at the same point: AdamW would otherwise amplify rounding-level differences of near-zero
-    gradient elements along the trajectory)."""
-    model = build_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    history, grads = [], []
-    for step, (start_params, _) in enumerate(records):
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(start_params[name])
-        tokens = global_batch(args, step, world, model.config.vocab_size)
+def check_parity(args, history, records, params, world):
+    """The same steps in one process on the whole global batch, in float32 (in two orders of the
+    batch's rows) and in float64, each step started from the parameters the sharded step started
+    from; then both references take the optimizer step with the sharded run's gradients. Every
+    loss, grad norm, gradient element and updated parameter element of the sharded run is
+    checked against the error model of `fsdpturbo.parity`. Returns whether all pass."""
+    from fsdpturbo.parity import C, Reference
+
+    reference = Reference(build_model(args), optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr))
+    worst = {}  # what → (ratio of the bound, step, tensor, gate)
+
+    def note(what, step, gate, name, ours):
+        ratio = gate.ratio(name, ours)[0]
+        if ratio >= worst.get(what, (-1.0,))[0]:
+            worst[what] = (ratio, step, name, gate, ours)
+
+    def step_fn(model, order):
+        tokens = global_batch(args, step, world, model.config.vocab_size)[order]
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        history.append((loss.item(), norm.item()))
-    return history, grads, {n: p.detach() for n, p in model.named_parameters()}
+        return {"loss": loss, "grad norm": torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)}
 
-
-# The per-element gate: |ours - ref| <= TOLERANCE · (|ref| + NEAR_ZERO · max |ref|) for every
-# element of every tensor. The NEAR_ZERO floor (so an absolute 1e-6 × the tensor's max) is for
-# elements that are float32 sums cancelling to almost nothing: they keep the terms' rounding.
-TOLERANCE = 1e-5
-NEAR_ZERO = 0.1
-
-
-def rel_diffs(ours, theirs):
-    """How far `ours` is from `theirs` (name → tensor): ||ours - ref|| / ||ref|| over all tensors
-    together (as one vector), and the worst per-element relative error |ours - ref| / (|ref| +
-    NEAR_ZERO · max |ref|) with its tensor's name."""
-    total_err = total_ref = worst = 0.0
-    where = ""
-    for name, ref in theirs.items():
-        ref, diff = ref.double(), ours[name].double() - ref.double()
-        total_err, total_ref = total_err + diff.pow(2).sum().item(), total_ref + ref.pow(2).sum().item()
-        floor = NEAR_ZERO * ref.abs().max().item()
-        rel = (diff.abs() / (ref.abs() + floor).clamp_min(1e-300)).max().item() if ref.numel() else 0.0
-        if rel > worst:
-            worst, where = rel, name
-    return (total_err / total_ref) ** 0.5 if total_ref > 0 else total_err ** 0.5, worst, where
-
-
-def report_parity(args, history, records, params, world):
-    ref_history, ref_grads, ref_params = reference_run(args, world, records)
-    loss_diff = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(history, ref_history))
-    norm_diff = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(history, ref_history))
-    grad_diffs = [rel_diffs(g, r) for (_, g), r in zip(records, ref_grads)]
-    grad_total, (_, grad_worst, grad_where) = max(d[0] for d in grad_diffs), max(grad_diffs, key=lambda d: d[1])
-    param_diff = rel_diffs(params, ref_params)
-    print(f"\none-process reference: the same {args.steps} steps on the whole global batch, each from the "
-          f"parameters the sharded step started from. ||ours - ref|| / ||ref|| over all tensors, and the worst "
-          f"element's |ours - ref| / (|ref| + {NEAR_ZERO} max |ref|) over every tensor:")
-    print(f"  losses (largest over steps)        {loss_diff:.2e}")
-    print(f"  grad norms                         {norm_diff:.2e}")
-    print(f"  gradients (largest over steps)     {grad_total:.2e}   worst element {grad_worst:.2e} ({grad_where})")
-    print(f"  parameters after the updates       {param_diff[0]:.2e}   worst element {param_diff[1]:.2e} "
-          f"({param_diff[2]})")
-    ok = max(loss_diff, norm_diff, grad_worst, param_diff[1]) <= TOLERANCE
-    print(f"  {'PARITY' if ok else 'MISMATCH'}: the sharded run {'equals' if ok else 'differs from'} "
-          f"the one-process run (every element within {TOLERANCE:.0e})")
-    return ok
+    print(f"\nchecking against one process (float32 and float64 references, {args.steps} steps) ...", flush=True)
+    for step, (start_params, grads) in enumerate(records):
+        reference.load(start_params)
+        gate = reference.step(step_fn, rows=world * args.batch)
+        note("losses", step, gate, "loss", history[step][0])
+        note("grad norms", step, gate, "grad norm", history[step][1])
+        for name, grad in grads.items():
+            note("gradients", step, gate, f"grad {name}", grad)
+        after = records[step + 1][0] if step + 1 < len(records) else params
+        gate = reference.optimizer_step(grads)
+        for name, value in after.items():
+            note("parameters after the step", step, gate, name, value)
+    print(f"  bound per element: {C:g} × (the float32 reference's largest rounding in its tensor + 2^-24 |ref|)")
+    print("  worst element, as a fraction of its bound:")
+    for what, (ratio, step, name, _, _) in worst.items():
+        print(f"  {what:<28}{ratio:>8.3f}   (step {step}, {name})")
+    failed = [(what, w) for what, w in worst.items() if w[0] > 1]
+    for what, (_, step, name, gate, ours) in failed:
+        try:
+            gate.check(name, ours, f"step {step}")
+        except AssertionError as error:
+            print(f"  {what}: {error}")
+    print(f"  {'MISMATCH: the sharded run differs from' if failed else 'PARITY: the sharded run equals'} "
+          f"the one-process run")
+    return not failed
 
 
 def plain_fsdp2_run(args, steps):
@@ -222,23 +208,24 @@ def plain_fsdp2_run(args, steps):
 
 
 def compare_dispatchers(args, world, tokens_per_step):
-    rows = []
+    """Times each dispatcher (and, with --baseline, plain FSDP2) for `compare_steps` steps after
+    a warm-up step; rank 0 prints each row as it is measured."""
     runs = [(d, lambda d=d: sharded_run(args, d, args.compare_steps + 1, record=False)[0]) for d in DISPATCHERS]
     if args.baseline:
         runs.append(("plain FSDP2 (no EP)", lambda: plain_fsdp2_run(args, args.compare_steps + 1)))
+    if dist.get_rank() == 0:
+        print(f"\ndispatchers ({world} ranks, ep={args.ep}, median of {args.compare_steps} steps, slowest rank):")
+        print(f"  {'dispatcher':<22}{'ms/step':>10}{'tokens/s':>11}{'vs eager':>10}{'last loss':>12}", flush=True)
+    base = None
     for name, run in runs:
         history = run()[1:]  # the first step warms up
-        seconds = sorted(h[2] for h in history)[len(history) // 2]
-        slowest = torch.tensor([seconds])
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        rows.append((name, slowest.item(), history[-1][0]))
-    if dist.get_rank() == 0:
-        base = rows[0][1]
-        print(f"\ndispatchers ({world} ranks, ep={args.ep}, median of {args.compare_steps} steps, slowest rank):")
-        print(f"  {'dispatcher':<22}{'ms/step':>10}{'tokens/s':>11}{'vs eager':>10}{'last loss':>12}")
-        for name, seconds, loss in rows:
+        seconds = torch.tensor([sorted(h[2] for h in history)[len(history) // 2]])
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        seconds = seconds.item()
+        base = base or seconds
+        if dist.get_rank() == 0:
             print(f"  {name:<22}{seconds * 1e3:>10.1f}{tokens_per_step / seconds:>11.0f}{base / seconds:>9.2f}×"
-                  f"{loss:>12.5f}")
+                  f"{history[-1][0]:>12.5f}", flush=True)
 
 
 def main():
@@ -251,15 +238,14 @@ def main():
         print(f"{args.model} ({args.size}) on {world} gloo ranks: ep={args.ep}, "
               f"efsdp={args.efsdp or 'dp/ep'}, dispatcher={args.dispatcher}, "
               f"global batch {world * args.batch}×{args.seq} tokens")
-    history, records, params = sharded_run(args, args.dispatcher, args.steps, record=not args.no_reference)
     if rank == 0:
-        print(f"  {'step':>4}{'loss':>11}{'grad norm':>12}{'tokens/s':>11}")
-        for step, (loss, norm, seconds) in enumerate(history):
-            print(f"  {step:>4}{loss:>11.5f}{norm:>12.5f}{tokens_per_step / seconds:>11.0f}")
+        print(f"  {'step':>4}{'loss':>11}{'grad norm':>12}{'tokens/s':>11}", flush=True)
+    history, records, params = sharded_run(args, args.dispatcher, args.steps, record=not args.no_reference,
+                                           show=True)
     ok = True
     if not args.no_reference:
         if rank == 0:
-            ok = report_parity(args, history, records, params, world)
+            ok = check_parity(args, history, records, params, world)
         flag = torch.tensor([int(ok)])
         dist.broadcast(flag, 0)
         ok = bool(flag.item())

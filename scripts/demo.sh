@@ -6,7 +6,7 @@
 #   NPROC=8 scripts/demo.sh --ep 4 --efsdp 2 --dispatcher fused --model qwen3_5_moe --steps 10
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh >/dev/null
+scripts/setup.sh  # [setup] lines say what it is doing; the first run takes several minutes
 export FSDPTURBO_LIB="$PWD/target/release/libfsdpturbo.so"
 export FSDPTURBO_TORCH_LIB="$PWD/build/torch_ext/libfsdpturbo_torch.so"
 export PYTHONPATH="$PWD/torch_ext/python${PYTHONPATH:+:$PYTHONPATH}"

@@ -8,7 +8,8 @@ import fsdpturbo
 from dist_util import run_ranks
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 
-pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+# also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
+pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
 
 TOKENS_PER_RANK = 5
 
@@ -66,6 +67,40 @@ def _override_router(block, index_fn):
         return logits, probs.gather(1, index), index
 
     gate.forward = forward
+
+
+def one_process_gates(dtype, inputs, routes, rank, seed=0):
+    """The parity gates (fsdpturbo.parity: the block in one process in `dtype` and in float64) of
+    an EP block (_block(8, 2), forced `routes` per rank or None) that ran on every rank's
+    (x, cotangent) of `inputs` with the loss Σ out · cotangent: on this rank's tokens for its
+    output, input gradient and the router's gradient (a router sees its own rank's tokens
+    only), and on every rank's tokens together for the experts' gradients, of the mean over the
+    ranks' losses (EP divides the experts' gradients by the world size)."""
+    from fsdpturbo.parity import Reference
+
+    def gate(ranks, divide):
+        x = torch.cat([inputs[r][0] for r in ranks])
+        cotangent = torch.cat([inputs[r][1] for r in ranks])
+        block = _block(8, 2, dtype, seed=seed)
+        rows_of = {}
+        if routes[rank] is not None:
+            ids = torch.cat([routes[r] for r in ranks])
+            _override_router(block, lambda tokens: ids[rows_of["order"]])
+
+        def step_fn(model, order):
+            rows_of["order"] = order
+            rows = x[order].clone().requires_grad_(True)
+            out = model(rows.unsqueeze(0)).squeeze(0)
+            loss = (out * cotangent[order]).sum() / divide
+            if loss.requires_grad:  # not on a rank without tokens (Hugging Face's block returns zeros)
+                loss.backward()
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            back = torch.argsort(order)  # the outputs in the rows' own order
+            return {"output": out.detach()[back], "input grad": grad[back]}
+
+        return Reference(block, dtype=dtype).step(step_fn, rows=len(x))
+
+    return gate([rank], 1), gate(range(len(inputs)), len(inputs))
 
 
 def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, route_name, family="qwen3_moe"):

@@ -27,6 +27,8 @@ import fsdpturbo
 import fsdpturbo.norm as fnorm
 from dist_util import run_ranks
 
+pytestmark = pytest.mark.parity  # also run on the other instruction sets (ctest parity_*)
+
 P_VALUES = (1.0, 2.0, 3.5, math.inf)
 # name: (world, cp, ep); efsdp = dp / ep (the seed's formula)
 TOPOLOGIES = {"w4_ep2_efsdp2": (4, 1, 2), "w4_cp2_ep2": (4, 2, 2), "w8_cp2_ep2_efsdp2": (8, 2, 2)}

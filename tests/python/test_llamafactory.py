@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import assert_close_per_element, batch, build_model, full
+from test_train import batch, build_model, full
 
-pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
+# also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
+pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
 
 
 class _Model(torch.nn.Module):
@@ -205,7 +206,9 @@ def _engine_rank_fn(rank, world, ep, init):
 
     base = fsdpturbo.ParallelState(world).init_device_meshes("cpu")  # LlamaFactory's data and model meshes
     interface = _RealInterface(base)
-    reference = build_model("qwen3_moe")
+    from fsdpturbo.parity import Reference
+
+    reference = Reference(build_model("qwen3_moe"))
     weights = None
     if init == "meta":
         import os
@@ -213,7 +216,7 @@ def _engine_rank_fn(rank, world, ep, init):
 
         weights = os.path.join(tempfile.gettempdir(), f"fsdpturbo_lf_{os.getppid()}")
         if rank == 0:
-            reference.save_pretrained(weights)
+            reference.model.save_pretrained(weights)
         dist.barrier()
         with meta_parameters():
             model = build_model("qwen3_moe")
@@ -231,14 +234,16 @@ def _engine_rank_fn(rank, world, ep, init):
     assert experts.device_mesh.mesh_dim_names == (("efsdp", "ep") if ep < world else ("ep",))
     ids = batch(0, world)
     model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
-    reference(input_ids=ids, labels=ids).loss.backward()
+
+    def step_fn(ref, order):
+        ref(input_ids=ids[order], labels=ids[order]).loss.backward()
+        return {"grad norm": torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)}
+
+    gate = reference.step(step_fn, rows=world)
     norm = clip_grad_norm_(model, 0.1)
-    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
     assert isinstance(norm, float)
-    assert_close_per_element(torch.tensor(norm), ref_norm, "grad norm")
-    params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        assert_close_per_element(full(param.grad), params[name].grad, f"clipped grad {name}")
+    gate.check("grad norm", norm)
+    gate.check_all({f"grad {name}": full(param.grad) for name, param in model.named_parameters()}, "clipped")
 
 
 @pytest.mark.parametrize("ep,init", [(2, "meta"), (4, "default")])

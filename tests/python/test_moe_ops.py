@@ -8,6 +8,7 @@ from torch.autograd import gradcheck
 import fsdpturbo  # noqa: F401  (loads the op library)
 
 ops = torch.ops.fsdpturbo
+pytestmark = pytest.mark.parity  # also run on the other instruction sets (ctest parity_*)
 
 
 def test_seed_worked_example():

@@ -40,10 +40,12 @@ fn rustc_minor() -> Option<u32> {
 }
 
 fn main() {
-    // The GEMM's AVX-512 kernel needs the AVX-512 intrinsics and target features, stable since
-    // Rust 1.89; older compilers (the MSRV is 1.85) build the crate without it.
+    // The GEMM's AVX-512 kernel (x86_64 targets only) needs the AVX-512 intrinsics and target
+    // features, stable since Rust 1.89; older compilers (the MSRV is 1.85) build the crate
+    // without it.
     println!("cargo:rustc-check-cfg=cfg(fsdpturbo_avx512)");
-    if rustc_minor().is_some_and(|minor| minor >= 89) {
+    let x86_64 = std::env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|arch| arch == "x86_64");
+    if x86_64 && rustc_minor().is_some_and(|minor| minor >= 89) {
         println!("cargo:rustc-cfg=fsdpturbo_avx512");
     }
     println!("cargo:rerun-if-changed=src/ffi");

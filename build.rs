@@ -1,5 +1,6 @@
-//! Generates the two C headers from `src/ffi`, gives the cdylib its SONAME, and says whether
-//! rustc can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`).
+//! Generates the two C headers from `src/ffi`, gives the cdylib its SONAME, says whether rustc
+//! can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`), and tells the tests the C
+//! compiler of the target they are built for (`FSDPTURBO_TARGET_CC`).
 //!
 //! cbindgen reads source files, not the crate: `include/fsdpturbo.h` (the public C API) comes from
 //! the files directly in `src/ffi/`, and `include/fsdpturbo_internal.h` (the op library's device
@@ -39,6 +40,20 @@ fn rustc_minor() -> Option<u32> {
     String::from_utf8(out.stdout).ok()?.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
 }
 
+/// The target's C compiler as cc-rs picks it (`CC_<target>`, `TARGET_CC`, `CC`, else the
+/// target's default, e.g. `aarch64-linux-gnu-gcc` when cross-compiling) and its flags for the
+/// target (cc-rs's defaults and `CFLAGS`), as one string with the words separated by U+001F. The
+/// tests compile the C test doubles (`tests/ascend_double`) with it, so that a cross-built test
+/// loads doubles built for its own target.
+fn target_c_compiler() -> String {
+    let compiler = cc::Build::new().opt_level(0).debug(false).get_compiler();
+    std::iter::once(compiler.path().as_os_str())
+        .chain(compiler.args().iter().map(|arg| arg.as_os_str()))
+        .map(|part| part.to_str().expect("the C compiler command is UTF-8"))
+        .collect::<Vec<_>>()
+        .join("\u{1f}")
+}
+
 fn main() {
     // The GEMM's AVX-512 kernel (x86_64 targets only) needs the AVX-512 intrinsics and target
     // features, stable since Rust 1.89; older compilers (the MSRV is 1.85) build the crate
@@ -51,6 +66,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libfsdpturbo.so.0");
+    println!("cargo:rustc-env=FSDPTURBO_TARGET_CC={}", target_c_compiler());
 
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let public = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml is valid");

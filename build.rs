@@ -1,6 +1,6 @@
 //! Generates the two C headers from `src/ffi`, gives the cdylib its SONAME, says whether rustc
-//! can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`), and tells the tests the C
-//! compiler of the target they are built for (`FSDPTURBO_TARGET_CC`).
+//! can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`), and tells the tests the target
+//! they are built for and its C compiler (`FSDPTURBO_TARGET`, `FSDPTURBO_TARGET_CC`).
 //!
 //! cbindgen reads source files, not the crate: `include/fsdpturbo.h` (the public C API) comes from
 //! the files directly in `src/ffi/`, and `include/fsdpturbo_internal.h` (the op library's device
@@ -66,6 +66,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libfsdpturbo.so.0");
+    // The CLI test runs the target's binary through cargo's runner for that target (tests/cli.rs).
+    let target = std::env::var("TARGET").expect("cargo sets TARGET");
+    println!("cargo:rustc-env=FSDPTURBO_TARGET={target}");
     println!("cargo:rustc-env=FSDPTURBO_TARGET_CC={}", target_c_compiler());
 
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));

@@ -1,5 +1,6 @@
-//! Generates the two C headers from `src/ffi`, gives the cdylib its SONAME, and says whether
-//! rustc can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`).
+//! Generates the two C headers from `src/ffi`, gives the cdylib its SONAME, says whether rustc
+//! can build the AVX-512 GEMM kernel (`cfg(fsdpturbo_avx512)`), and tells the tests the target
+//! they are built for and its C compiler (`FSDPTURBO_TARGET`, `FSDPTURBO_TARGET_CC`).
 //!
 //! cbindgen reads source files, not the crate: `include/fsdpturbo.h` (the public C API) comes from
 //! the files directly in `src/ffi/`, and `include/fsdpturbo_internal.h` (the op library's device
@@ -39,16 +40,36 @@ fn rustc_minor() -> Option<u32> {
     String::from_utf8(out.stdout).ok()?.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
 }
 
+/// The target's C compiler as cc-rs picks it (`CC_<target>`, `TARGET_CC`, `CC`, else the
+/// target's default, e.g. `aarch64-linux-gnu-gcc` when cross-compiling) and its flags for the
+/// target (cc-rs's defaults and `CFLAGS`), as one string with the words separated by U+001F. The
+/// tests compile the C test doubles (`tests/ascend_double`) with it, so that a cross-built test
+/// loads doubles built for its own target.
+fn target_c_compiler() -> String {
+    let compiler = cc::Build::new().opt_level(0).debug(false).get_compiler();
+    std::iter::once(compiler.path().as_os_str())
+        .chain(compiler.args().iter().map(|arg| arg.as_os_str()))
+        .map(|part| part.to_str().expect("the C compiler command is UTF-8"))
+        .collect::<Vec<_>>()
+        .join("\u{1f}")
+}
+
 fn main() {
-    // The GEMM's AVX-512 kernel needs the AVX-512 intrinsics and target features, stable since
-    // Rust 1.89; older compilers (the MSRV is 1.85) build the crate without it.
+    // The GEMM's AVX-512 kernel (x86_64 targets only) needs the AVX-512 intrinsics and target
+    // features, stable since Rust 1.89; older compilers (the MSRV is 1.85) build the crate
+    // without it.
     println!("cargo:rustc-check-cfg=cfg(fsdpturbo_avx512)");
-    if rustc_minor().is_some_and(|minor| minor >= 89) {
+    let x86_64 = std::env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|arch| arch == "x86_64");
+    if x86_64 && rustc_minor().is_some_and(|minor| minor >= 89) {
         println!("cargo:rustc-cfg=fsdpturbo_avx512");
     }
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libfsdpturbo.so.0");
+    // The CLI test runs the target's binary through cargo's runner for that target (tests/cli.rs).
+    let target = std::env::var("TARGET").expect("cargo sets TARGET");
+    println!("cargo:rustc-env=FSDPTURBO_TARGET={target}");
+    println!("cargo:rustc-env=FSDPTURBO_TARGET_CC={}", target_c_compiler());
 
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let public = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml is valid");

@@ -1,6 +1,6 @@
-//! Builds the C test doubles of the CANN libraries (csrc/testing) for cargo's tests, with the
-//! system C compiler, and points libfsdpturbo's loaders at them. (ctest's Python suite uses the
-//! copies CMake builds from the same sources.)
+//! Builds the C test doubles of the CANN libraries (csrc/testing) for cargo's tests, with the C
+//! compiler of the target the tests are built for (build.rs), and points libfsdpturbo's loaders
+//! at them. (ctest's Python suite uses the copies CMake builds from the same sources.)
 // Shared by several test binaries, each of which uses a part.
 #![allow(dead_code)]
 
@@ -16,8 +16,10 @@ use fsdpturbo::comm::Stream;
 fn compile(out: &Path, sources: &[&str], link: &[&str], defines: &[&str]) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = out.parent().unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let status = Command::new(cc)
+    let mut command = env!("FSDPTURBO_TARGET_CC").split('\u{1f}');
+    let compiler = command.next().unwrap();
+    let status = Command::new(compiler)
+        .args(command)
         .args(["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror"])
         .arg("-Wno-unused-parameter")
         .args(defines)
@@ -30,7 +32,9 @@ fn compile(out: &Path, sources: &[&str], link: &[&str], defines: &[&str]) {
         .args(link)
         .arg(format!("-Wl,-rpath,{}:{}", dir.display(), dir.parent().unwrap_or(dir).display()))
         .status()
-        .expect("a C compiler (cc) builds the Ascend test doubles");
+        .unwrap_or_else(|e| {
+            panic!("cannot run the target's C compiler {compiler} for the Ascend test doubles: {e}")
+        });
     assert!(status.success(), "compiling {sources:?} failed");
 }
 

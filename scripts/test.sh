@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh) and runs the whole regression suite: format and lint
-# checks, the header drift check, then ctest (C tests, cargo test, Python tests).
+# checks, the header drift check, then ctest (C tests, cargo test, Python tests, the demo, the
+# parity tests again on the AVX2 and portable paths), then the aarch64 stage under qemu
+# (scripts/test_aarch64.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 CARGO_TERM_COLOR=never HF_HUB_OFFLINE=1
@@ -13,3 +15,4 @@ git diff --exit-code -- include/ || { echo "include/*.h are stale: commit the re
 # The Python package's ctypes layer is generated from those headers (scripts/gen_ctypes.py).
 python3 scripts/gen_ctypes.py --check
 timeout 3000 ctest --test-dir build --output-on-failure
+scripts/test_aarch64.sh

@@ -53,12 +53,13 @@ def _gate():
 
 def test_gate_bound_and_message():
     gate = _gate()
-    # C × (largest reference rounding 2e-7 + 2^-24 |ref|): element [1, 0] may be off by about 1.6e-6
-    gate.check("w", torch.tensor([[1.0, -2.0], [1e-9 + 1.5e-6, 4.0]]).double())
+    # C × (largest reference rounding 2e-7 + 2^-24 |ref|): element [1, 0] may be off by about C × 2e-7
+    within, beyond = 0.9 * parity.C * 2e-7, 1.1 * parity.C * 2e-7
+    gate.check("w", torch.tensor([[1.0, -2.0], [1e-9 + within, 4.0]], dtype=torch.float64))
     gate.check("w", torch.tensor([[1.0, -2.0], [1e-9, 4.0]], dtype=torch.float64))  # exact
     with pytest.raises(parity.ParityError, match=r"step 3 w\[1, 0\] is .*the float64 reference 1e-09.*"
                                                  r"\(1 of 4 elements out\)"):
-        gate.check("w", torch.tensor([[1.0, -2.0], [1e-9 + 2e-6, 4.0]], dtype=torch.float64), "step 3")
+        gate.check("w", torch.tensor([[1.0, -2.0], [1e-9 + beyond, 4.0]], dtype=torch.float64), "step 3")
     with pytest.raises(parity.ParityError, match=r"w: shape \(4,\), expected \(2, 2\)"):
         gate.check("w", torch.zeros(4))
     with pytest.raises(parity.ParityError, match="nan"):

@@ -9,10 +9,8 @@
 //! an instruction set this CPU or build lacks, is an error of every host kernel call (and of
 //! [`current`]) naming the variable, the value, what is accepted and what this host supports.
 //!
-//! What the choice changes: speed, and the last bits of the GEMM between its portable loops and
-//! its SIMD paths (`gemm`). Everything else gives the same bits on every path (NaN payloads
-//! aside), as the kernels document and their tests check on every instruction set the test
-//! machine has.
+//! What the choice changes: speed only. Every path gives the same bits (NaN payloads aside), as
+//! the kernels document and their tests check on every instruction set the test machine has.
 
 use std::ffi::{CStr, OsStr};
 use std::sync::OnceLock;

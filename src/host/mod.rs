@@ -2,8 +2,8 @@
 //! grouped GEMM and the gradient norm (p-power sums, scaling), with the element buffers they
 //! work on and the threading they share. Semantics (what is checked, what a result means) live
 //! in `route.rs` and `norm.rs`; these modules only compute, deterministically: results never
-//! depend on the thread count, and the instruction set, which [`isa`] chooses once for all of
-//! them, is documented against the portable loops in each kernel.
+//! depend on the thread count nor on the instruction set, which [`isa`] chooses once for all of
+//! them.
 //!
 //! - [`buf`]: [`HostBuf`] / [`HostBufMut`], the floating-point element buffers;
 //! - [`isa`]: [`Isa`], the instruction set: the best the CPU has, capped by `FSDPTURBO_HOST_ISA`;

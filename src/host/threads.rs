@@ -24,10 +24,9 @@ pub struct KernelOptions {
     /// all available cores for problems above [`PARALLEL_MIN_ELEMS`] elements
     /// ([`GEMM_PARALLEL_MIN_FLOPS`] for the GEMMs), one thread below. Results never depend on it.
     pub threads: Option<usize>,
-    /// Use the portable loops for this call whatever the process's instruction set. The
-    /// unpermute gives identical results either way; the GEMM's SIMD tiles use fused
-    /// multiply-adds and its portable loops do not, so its last bits differ between the two
-    /// (each is deterministic). A bad `FSDPTURBO_HOST_ISA` is still reported.
+    /// Use the portable loops for this call whatever the process's instruction set. The results
+    /// are the same bits either way (the kernels' tests check it); a bad `FSDPTURBO_HOST_ISA`
+    /// is still reported.
     pub portable: bool,
 }
 

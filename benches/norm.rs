@@ -114,8 +114,8 @@ fn main() {
     let norm2 = NormType::P(2.0);
 
     let sum = |bufs: &'_ [HostBuf<'_>], norm, acc, threads: Option<usize>| match threads {
-        Some(t) => local_power_sum_threads(bufs, norm, acc, t),
-        None => local_power_sum(bufs, norm, acc),
+        Some(t) => local_power_sum_threads(bufs, norm, acc, t).unwrap(),
+        None => local_power_sum(bufs, norm, acc).unwrap(),
     };
     let mut v: Vec<Variant> = vec![
         Variant {
@@ -178,7 +178,7 @@ fn main() {
             reps: 1,
             run: Box::new(|| {
                 let mut muts: Vec<HostBufMut> = scaled.iter_mut().map(|t| HostBufMut::Bf16(t)).collect();
-                scale_in_place(&mut muts, black_box(1.0));
+                scale_in_place(&mut muts, black_box(1.0)).unwrap();
             }),
             times: vec![],
         },
@@ -232,7 +232,7 @@ fn main() {
             reps: IN_CACHE_REPS,
             run: Box::new(|| {
                 for _ in 0..IN_CACHE_REPS {
-                    scale_in_place(&mut [HostBufMut::Bf16(black_box(&mut small_mut))], 1.0);
+                    scale_in_place(&mut [HostBufMut::Bf16(black_box(&mut small_mut))], 1.0).unwrap();
                 }
             }),
             times: vec![],
@@ -273,7 +273,7 @@ fn main() {
 
     // p through powf, once (slow: a libm call per element).
     let start = Instant::now();
-    let value = black_box(local_power_sum(&bufs, NormType::P(3.5), true));
+    let value = black_box(local_power_sum(&bufs, NormType::P(3.5), true).unwrap());
     let t = start.elapsed().as_secs_f64();
     println!(
         "{:<44} {:>7.0} ms {:>10.2}   (one run; value {value:.6e})",

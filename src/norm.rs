@@ -186,8 +186,10 @@ pub fn norm_plan(layouts: &[GradLayout]) -> Result<NormPlan> {
 /// for p = inf (any NaN gives NaN; no elements give 0). `accumulate_f64` chooses f64
 /// accumulators (the default for p-sums; f64 buffers always use f64); with f32 accumulators the
 /// per-block sums are still combined in f64. Large inputs use all available cores; the result
-/// does not depend on the number of threads ([`crate::host::pnorm::power_sum`]).
-pub fn local_power_sum(bufs: &[HostBuf], norm: NormType, accumulate_f64: bool) -> f64 {
+/// does not depend on the number of threads nor on the instruction set
+/// ([`crate::host::pnorm::power_sum`], which is also the only source of an error: a bad
+/// `FSDPTURBO_HOST_ISA`).
+pub fn local_power_sum(bufs: &[HostBuf], norm: NormType, accumulate_f64: bool) -> Result<f64> {
     power_sum(bufs, norm.p(), accumulate_f64, None)
 }
 
@@ -198,7 +200,7 @@ pub fn local_power_sum_threads(
     norm: NormType,
     accumulate_f64: bool,
     threads: usize,
-) -> f64 {
+) -> Result<f64> {
     power_sum(bufs, norm.p(), accumulate_f64, Some(threads))
 }
 
@@ -325,7 +327,7 @@ pub fn clip_grad_norm_with(
 
     let mut values = Vec::with_capacity(plan.sets.len());
     for (set, bufs) in plan.sets.iter().zip(&per_set) {
-        let local = local_power_sum(bufs, norm, options.accumulate_f64);
+        let local = local_power_sum(bufs, norm, options.accumulate_f64)?;
         values.push((set, local));
     }
     drop(per_set);
@@ -341,7 +343,7 @@ pub fn clip_grad_norm_with(
     let coef = clip_coefficient(total, options.max_norm);
     if coef < 1.0 {
         let mut bufs: Vec<HostBufMut> = grads.iter_mut().map(|(_, buf)| buf.reborrow()).collect();
-        scale_in_place(&mut bufs, coef);
+        scale_in_place(&mut bufs, coef)?;
     }
     Ok(total)
 }

@@ -467,6 +467,5 @@ pub fn unpermute_with(
     }
     same_dtype(&bufs)?;
     let inv = invert_permutation(permutation)?;
-    crate::host::permute::unpermute_rows_into(permuted, hidden, &inv, top_k, probs, out, want, options);
-    Ok(())
+    crate::host::permute::unpermute_rows_into(permuted, hidden, &inv, top_k, probs, out, want, options)
 }

@@ -741,35 +741,35 @@ fn local_power_sum_matches_the_definition_for_every_type() {
             NormType::Inf => direct_norm(&values, norm),
             NormType::P(p) => values.iter().map(|x| x.abs().powf(p)).sum(),
         };
-        let got = local_power_sum(&bufs, norm, true);
+        let got = local_power_sum(&bufs, norm, true).unwrap();
         assert!(rel(got, want) <= 1e-12, "{norm:?}: {got} vs {want}");
-        let got32 = local_power_sum(&bufs, norm, false);
+        let got32 = local_power_sum(&bufs, norm, false).unwrap();
         assert!(rel(got32, want) <= 1e-5, "{norm:?} f32 accumulation: {got32} vs {want}");
         // Each type alone, too.
         for buf in bufs {
-            let alone = local_power_sum(&[buf], norm, true);
+            let alone = local_power_sum(&[buf], norm, true).unwrap();
             assert!(alone > 0.0 && alone <= got, "{norm:?}");
         }
     }
-    assert_eq!(local_power_sum(&[], NormType::P(2.0), true), 0.0);
-    assert_eq!(local_power_sum(&[HostBuf::F32(&[])], NormType::Inf, true), 0.0);
+    assert_eq!(local_power_sum(&[], NormType::P(2.0), true).unwrap(), 0.0);
+    assert_eq!(local_power_sum(&[HostBuf::F32(&[])], NormType::Inf, true).unwrap(), 0.0);
     // f16 subnormals are exact.
     assert_eq!(
-        local_power_sum(&[HostBuf::F16(&[0x0001, 0x8003])], NormType::P(1.0), true),
+        local_power_sum(&[HostBuf::F16(&[0x0001, 0x8003])], NormType::P(1.0), true).unwrap(),
         4.0 * 2f64.powi(-24)
     );
     assert_eq!(
-        local_power_sum(&[HostBuf::F16(&[0x0001, 0x8003])], NormType::Inf, true),
+        local_power_sum(&[HostBuf::F16(&[0x0001, 0x8003])], NormType::Inf, true).unwrap(),
         3.0 * 2f64.powi(-24)
     );
-    assert_eq!(local_power_sum(&[HostBuf::Bf16(&[0x8001])], NormType::Inf, true), 2f64.powi(-133));
+    assert_eq!(local_power_sum(&[HostBuf::Bf16(&[0x8001])], NormType::Inf, true).unwrap(), 2f64.powi(-133));
     // p = 2 in f64 does not overflow where f32 would.
     let big = [f32::MAX, f32::MAX];
     assert_eq!(
-        local_power_sum(&[HostBuf::F32(&big)], NormType::P(2.0), true),
+        local_power_sum(&[HostBuf::F32(&big)], NormType::P(2.0), true).unwrap(),
         2.0 * (f32::MAX as f64).powi(2)
     );
-    assert_eq!(local_power_sum(&[HostBuf::F32(&big)], NormType::P(2.0), false), f64::INFINITY);
+    assert_eq!(local_power_sum(&[HostBuf::F32(&big)], NormType::P(2.0), false).unwrap(), f64::INFINITY);
 }
 
 #[test]
@@ -785,15 +785,18 @@ fn nan_and_inf_propagate_from_any_position() {
             let clean = random_f32(6, 100, 1.0);
             for buf in [HostBuf::F32(&xs), HostBuf::F64(&f64s), HostBuf::Bf16(&bf), HostBuf::F16(&hf)] {
                 // In a later buffer, after a clean one.
-                assert!(local_power_sum(&[HostBuf::F32(&clean), buf], norm, true).is_nan(), "{norm:?} {pos}");
-                assert!(local_power_sum(&[buf], norm, false).is_nan(), "{norm:?} {pos}");
+                assert!(
+                    local_power_sum(&[HostBuf::F32(&clean), buf], norm, true).unwrap().is_nan(),
+                    "{norm:?} {pos}"
+                );
+                assert!(local_power_sum(&[buf], norm, false).unwrap().is_nan(), "{norm:?} {pos}");
             }
             xs[pos] = f32::NEG_INFINITY;
             f64s[pos] = f64::NEG_INFINITY;
             let bf: Vec<u16> = xs.iter().map(|&x| f32_to_bf16(x)).collect();
             let hf: Vec<u16> = xs.iter().map(|&x| f32_to_f16(x)).collect();
             for buf in [HostBuf::F32(&xs), HostBuf::F64(&f64s), HostBuf::Bf16(&bf), HostBuf::F16(&hf)] {
-                assert_eq!(local_power_sum(&[buf], norm, true), f64::INFINITY, "{norm:?} {pos}");
+                assert_eq!(local_power_sum(&[buf], norm, true).unwrap(), f64::INFINITY, "{norm:?} {pos}");
             }
         }
     }
@@ -807,12 +810,12 @@ fn results_do_not_depend_on_the_thread_count() {
     let bufs = [HostBuf::F32(&a), HostBuf::Bf16(&b), HostBuf::F16(&c), HostBuf::F32(&a[..17])];
     for norm in ALL_NORMS {
         for acc in [true, false] {
-            let one = local_power_sum_threads(&bufs, norm, acc, 1);
+            let one = local_power_sum_threads(&bufs, norm, acc, 1).unwrap();
             for threads in [0, 2, 3, 5, 8, 64] {
-                let many = local_power_sum_threads(&bufs, norm, acc, threads);
+                let many = local_power_sum_threads(&bufs, norm, acc, threads).unwrap();
                 assert_eq!(many.to_bits(), one.to_bits(), "{norm:?} acc_f64={acc} threads={threads}");
             }
-            assert_eq!(local_power_sum(&bufs, norm, acc).to_bits(), one.to_bits());
+            assert_eq!(local_power_sum(&bufs, norm, acc).unwrap().to_bits(), one.to_bits());
         }
     }
 }
@@ -825,23 +828,23 @@ fn scaling_rounds_to_nearest_even_and_covers_every_element() {
         [(1.0 + 2f64.powi(-8), 0x3f80u16), (1.0 + 3.0 * 2f64.powi(-8), 0x3f82), (1.0 - 2f64.powi(-9), 0x3f80)]
     {
         let mut v = [0x3f80u16, 0xbf80];
-        scale_in_place(&mut [HostBufMut::Bf16(&mut v)], coef);
+        scale_in_place(&mut [HostBufMut::Bf16(&mut v)], coef).unwrap();
         assert_eq!(v, [want, want | 0x8000], "coef {coef}");
     }
     // f16: 1.0 × (1 + 2^-11) ties to 1.0; × (1 + 3·2^-11) ties up to 1 + 2^-9; subnormal results.
     let mut v = [0x3c00u16];
-    scale_in_place(&mut [HostBufMut::F16(&mut v)], 1.0 + 2f64.powi(-11));
+    scale_in_place(&mut [HostBufMut::F16(&mut v)], 1.0 + 2f64.powi(-11)).unwrap();
     assert_eq!(v, [0x3c00]);
     let mut v = [0x3c00u16];
-    scale_in_place(&mut [HostBufMut::F16(&mut v)], 1.0 + 3.0 * 2f64.powi(-11));
+    scale_in_place(&mut [HostBufMut::F16(&mut v)], 1.0 + 3.0 * 2f64.powi(-11)).unwrap();
     assert_eq!(v, [0x3c02]);
     let mut v = [0x0400u16, 0x0003, 0x7bff];
-    scale_in_place(&mut [HostBufMut::F16(&mut v)], 0.5);
+    scale_in_place(&mut [HostBufMut::F16(&mut v)], 0.5).unwrap();
     assert_eq!(v, [0x0200, 0x0002, 0x77ff]); // 2^-15 (subnormal), 1.5·2^-24 → 2·2^-24 (even), 32752
     // f32 and f64.
     let mut f = [3.0f32, -1.5];
     let mut d = [3.0f64, -1.5];
-    scale_in_place(&mut [HostBufMut::F32(&mut f), HostBufMut::F64(&mut d)], 0.1);
+    scale_in_place(&mut [HostBufMut::F32(&mut f), HostBufMut::F64(&mut d)], 0.1).unwrap();
     assert_eq!(f, [3.0 * 0.1f32, -1.5 * 0.1f32]);
     assert_eq!(d, [3.0 * 0.1, -1.5 * 0.1]);
 
@@ -856,7 +859,8 @@ fn scaling_rounds_to_nearest_even_and_covers_every_element() {
             &mut [HostBufMut::F32(&mut a), HostBufMut::Bf16(&mut b), HostBufMut::F32(&mut c)],
             0.3,
             threads,
-        );
+        )
+        .unwrap();
         assert!(a.iter().zip(&orig).all(|(x, o)| *x == o * 0.3f32), "threads {threads}");
         assert!(c.iter().zip(&orig).all(|(x, o)| *x == o * 0.3f32), "threads {threads}");
         assert!(
@@ -1159,9 +1163,10 @@ fn c_abi_bf16_clip_and_local_power_sum() {
     let xs = random_f32(12, 3000, 2.0);
     let mut bf: Vec<u16> = xs.iter().map(|&x| f32_to_bf16(x)).collect();
     let hf: Vec<u16> = xs.iter().map(|&x| f32_to_f16(x)).collect();
-    let want_bf = local_power_sum(&[HostBuf::Bf16(&bf)], NormType::P(2.0), true);
+    let want_bf = local_power_sum(&[HostBuf::Bf16(&bf)], NormType::P(2.0), true).unwrap();
     let want_all =
-        local_power_sum(&[HostBuf::Bf16(&bf), HostBuf::F16(&hf), HostBuf::F32(&xs)], NormType::P(3.5), false);
+        local_power_sum(&[HostBuf::Bf16(&bf), HostBuf::F16(&hf), HostBuf::F32(&xs)], NormType::P(3.5), false)
+            .unwrap();
 
     let list = [
         fsdpturbo_grad_t {

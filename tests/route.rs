@@ -850,7 +850,7 @@ fn grouped_matmul_blocks_large_problems_correctly() {
 }
 
 #[test]
-fn grouped_matmul_results_do_not_depend_on_the_thread_count() {
+fn grouped_matmul_results_do_not_depend_on_the_thread_count_or_the_instruction_set() {
     let mut rng = Rng(41);
     let counts = [700u64, 0, 130, 1100, 5];
     let (i, o) = (260, 300);
@@ -877,6 +877,7 @@ fn grouped_matmul_results_do_not_depend_on_the_thread_count() {
         }
         let portable = run(1, true);
         assert!(run(3, true) == portable, "{ty:?}: portable kernels, 3 threads differ from 1");
+        assert!(portable == one, "{ty:?}: the portable kernels differ from the process's instruction set");
         // The default (all cores above the threshold) agrees too.
         let mut y = Buf::garbage(ty, n * o);
         grouped_matmul(x.host(), &counts, w.host(), i, o, y.host_mut()).unwrap();

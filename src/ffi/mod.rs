@@ -19,6 +19,7 @@ pub mod ascend;
 pub mod backend;
 pub mod comm;
 pub mod config;
+pub mod host_isa;
 pub mod norm;
 pub mod npu;
 pub mod ops;

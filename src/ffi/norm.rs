@@ -328,8 +328,7 @@ pub extern "C" fn fsdpturbo_scale_in_place(grads: *const fsdpturbo_grad_t, n_gra
     boundary(|| {
         let grads = arg_slice(grads, n_grads, "grads")?;
         let mut bufs: Vec<HostBufMut> = mutable_buffers(grads)?.into_iter().map(|(_, buf)| buf).collect();
-        crate::host::pnorm::scale_in_place(&mut bufs, coef);
-        Ok(())
+        Ok(crate::host::pnorm::scale_in_place(&mut bufs, coef)?)
     })
 }
 
@@ -361,6 +360,6 @@ pub extern "C" fn fsdpturbo_local_power_sum(
             // SAFETY: checked by grad_data; readable by the caller's contract.
             bufs.push(unsafe { host_buf(ptr, grad.numel, dtype)? });
         }
-        write_out(out_value, "out_value", norm::local_power_sum(&bufs, norm, accumulate_f64))
+        write_out(out_value, "out_value", norm::local_power_sum(&bufs, norm, accumulate_f64)?)
     })
 }

@@ -1,6 +1,9 @@
 //! How the host kernels use threads: the size thresholds above which they use every core, the
 //! [`KernelOptions`] a caller may set, and the chunked scoped-thread loop they share.
 
+use super::isa::{self, Isa};
+use crate::error::Result;
+
 /// Kernels that touch at least this many elements use all available cores.
 /// cbindgen:ignore
 pub const PARALLEL_MIN_ELEMS: usize = 1 << 20;
@@ -14,16 +17,16 @@ pub fn available_threads() -> usize {
 }
 
 /// How the host kernels run. The default: all available cores for large problems, and the
-/// AVX2 + FMA code where the CPU has it.
+/// process's instruction set ([`isa::current`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelOptions {
     /// The most threads to use (`Some(0)` and `Some(1)`: the calling thread alone); `None`:
     /// all available cores for problems above [`PARALLEL_MIN_ELEMS`] elements
     /// ([`GEMM_PARALLEL_MIN_FLOPS`] for the GEMMs), one thread below. Results never depend on it.
     pub threads: Option<usize>,
-    /// Use the portable loops even where the CPU has AVX2 + FMA. The unpermute gives identical
-    /// results either way; the GEMM's register tile uses fused multiply-adds on the AVX2 path,
-    /// so its last bits differ between the two (each is deterministic).
+    /// Use the portable loops for this call whatever the process's instruction set. The results
+    /// are the same bits either way (the kernels' tests check it); a bad `FSDPTURBO_HOST_ISA`
+    /// is still reported.
     pub portable: bool,
 }
 
@@ -32,8 +35,10 @@ impl KernelOptions {
         self.threads.unwrap_or(if work >= threshold { available_threads() } else { 1 })
     }
 
-    pub(crate) fn simd(&self) -> bool {
-        !self.portable && simd_available()
+    /// The instruction set of this call: the process's, or portable when asked.
+    pub(crate) fn isa(&self) -> Result<Isa> {
+        let process = isa::current()?;
+        Ok(if self.portable { Isa::Portable } else { process })
     }
 }
 
@@ -84,16 +89,4 @@ pub(crate) fn for_chunks<T: Send>(
 /// above, else one.
 pub(crate) fn default_threads(total_elems: usize) -> usize {
     if total_elems < PARALLEL_MIN_ELEMS { 1 } else { available_threads() }
-}
-
-/// Whether the CPU has AVX2 and FMA (the kernels' explicit SIMD paths).
-pub fn simd_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }

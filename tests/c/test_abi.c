@@ -1,4 +1,5 @@
-/* The ABI foundation: versions, status names, the last-error protocol, the panic boundary. */
+/* The ABI foundation: versions, status names, the host kernels' instruction set, the last-error
+ * protocol, the panic boundary. */
 #include "check.h"
 
 static void test_versions(void) {
@@ -13,6 +14,14 @@ static void test_status_names(void) {
   CHECK(strcmp(fsdpturbo_status_name(FSDPTURBO_ERR_PANIC), "FSDPTURBO_ERR_PANIC") == 0);
   CHECK(strcmp(fsdpturbo_status_name(FSDPTURBO_ERR_NULL_ARGUMENT), "FSDPTURBO_ERR_NULL_ARGUMENT") == 0);
   CHECK(strcmp(fsdpturbo_status_name(-12345), "FSDPTURBO_UNKNOWN_STATUS") == 0);
+}
+
+static void test_host_isa(void) {
+  const char *isa = NULL;
+  CHECK_STATUS(fsdpturbo_host_isa(&isa), FSDPTURBO_OK);
+  CHECK(isa != NULL && (strcmp(isa, "portable") == 0 || strcmp(isa, "avx2") == 0 || strcmp(isa, "avx512") == 0));
+  CHECK_STATUS(fsdpturbo_host_isa(NULL), FSDPTURBO_ERR_NULL_ARGUMENT);
+  CHECK(last_error_contains("out_name"));
 }
 
 static void test_panic_boundary_and_last_error(void) {
@@ -36,6 +45,7 @@ static void test_panic_boundary_and_last_error(void) {
 int main(void) {
   test_versions();
   test_status_names();
+  test_host_isa();
   test_panic_boundary_and_last_error();
   return check_summary("test_abi");
 }

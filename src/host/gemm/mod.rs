@@ -1,17 +1,27 @@
 //! The grouped GEMM of the experts and its backward pieces: one GEMM per group of rows with
 //! the HF expert layout `W [G, out, in]` (`y = x @ W[g]^T`). A blocked kernel: operands are
 //! packed into register-tile panels (converted to the accumulator type on the way: bf16/f16 →
-//! f32), a 12×32 (f32) or 6×8 (f64) register tile is updated with AVX-512 or AVX2 + FMA where
-//! the CPU has them (`x86.rs`; portable loops elsewhere), K is cut into fixed blocks of
+//! f32), a 12×32 (f32) or 6×8 (f64) register tile is updated with AVX-512 or AVX2 + FMA
+//! (`x86.rs`) or by portable loops, as [`super::isa`] chooses, K is cut into fixed blocks of
 //! [`GEMM_KC`], and the tiles of C are spread over threads (`std::thread::scope`) when the
 //! problem is large. Every output element is computed by one thread with the same sequence of
-//! operations whatever the thread count, so results are bit-for-bit independent of it; the
-//! AVX-512 and AVX2 kernels run the same fused multiply-adds per element in the same order, so
-//! they agree bit for bit too.
+//! operations whatever the thread count and the instruction set: per K block a chain of fused
+//! multiply-adds from zero (the portable loops use `mul_add`), added to the element's sum in
+//! block order. So results are bit for bit the same for every thread count, on AVX-512, AVX2
+//! and the portable loops, and on every architecture whose `mul_add` is IEEE's fused
+//! multiply-add (NaN payloads aside).
+//!
+//! The cost of that: x86-64's baseline has no FMA instruction, so the portable loops there call
+//! a fused multiply-add routine per element (hardware FMA where the CPU has it, else software,
+//! which is no faster) and run 8–15× slower than unfused loops (one thread, 512 rows × 512 × 384
+//! on an AVX-512 Xeon: f32 0.85 against 7.1 GFLOP/s, f64 0.85 against 13). x86-64 CPUs take the
+//! portable loops only without AVX2 + FMA or with `FSDPTURBO_HOST_ISA=portable`; on aarch64
+//! `mul_add` compiles to vector `fmla`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::buf::{Acc, HostBuf, HostBufMut, check_len, ident, same_dtype};
+use super::isa::Isa;
 use super::threads::{GEMM_PARALLEL_MIN_FLOPS, KernelOptions};
 use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{Error, Result};
@@ -28,30 +38,6 @@ const B_PACK_BUDGET: usize = 1 << 20;
 /// tasks are tall; a group's rows are cut into near-equal parts of at most MB rows.
 const MB: usize = 1020;
 
-/// The code path of the GEMM's inner loops, chosen at run time from the CPU and the options.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
-    Portable,
-    /// AVX2 + FMA.
-    Avx2,
-    /// AVX-512F (with AVX2 + FMA), where rustc can build it (`build.rs`).
-    #[cfg(fsdpturbo_avx512)]
-    Avx512,
-}
-
-impl Isa {
-    fn of(options: KernelOptions) -> Isa {
-        if !options.simd() {
-            return Isa::Portable;
-        }
-        #[cfg(all(target_arch = "x86_64", fsdpturbo_avx512))]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Isa::Avx512;
-        }
-        Isa::Avx2
-    }
-}
-
 /// The per-accumulator-type parts of the GEMM: register-tile height and width, columns per
 /// task, the packing of A and B, and the micro-kernel
 /// `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over a full MR × NR tile.
@@ -59,6 +45,8 @@ trait GemmAcc: Acc {
     const MR: usize;
     const NR: usize;
     const NC: usize;
+    /// `self · b + c` rounded once (IEEE fusedMultiplyAdd), as the SIMD kernels' FMA does.
+    fn fused_mul_add(self, b: Self, c: Self) -> Self;
     /// [`pack`] with MR lanes: the A panels.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
@@ -198,6 +186,10 @@ impl GemmAcc for f32 {
     const NR: usize = 32;
     const NC: usize = 256;
     #[inline(always)]
+    fn fused_mul_add(self, b: f32, c: f32) -> f32 {
+        self.mul_add(b, c)
+    }
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn pack_b<T: Copy>(
         src: &[T],
@@ -213,7 +205,7 @@ impl GemmAcc for f32 {
     ) {
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable && op.s_k == 1 {
-            // SAFETY: the CPU has AVX2 and FMA (`isa` comes from the run-time check).
+            // SAFETY: the CPU has AVX2 and FMA (`isa` comes from `isa::current`).
             return unsafe { x86::pack_b_t32(src, op, mn0, len, k0, klen, dst, dec, tmp) };
         }
         let _ = (isa, tmp);
@@ -224,16 +216,15 @@ impl GemmAcc for f32 {
         assert!(a.len() >= kc * 12 && b.len() >= kc * 32 && c.len() >= 11 * ldc + 32 && ldc >= 32);
         #[cfg(target_arch = "x86_64")]
         match isa {
-            // SAFETY (both): the CPU has the instructions (`isa` comes from the run-time
-            // check), and the lengths checked above cover every access of the kernels.
+            Isa::Portable => {}
+            // SAFETY (both): the CPU has the instructions (`isa` comes from `isa::current`),
+            // and the lengths checked above cover every access of the kernels.
             #[cfg(fsdpturbo_avx512)]
             Isa::Avx512 => {
                 return unsafe { x86::kernel_f32_avx512(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
             }
-            Isa::Avx2 => {
-                return unsafe { x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
-            }
-            Isa::Portable => {}
+            // AVX2 (a build without the AVX-512 tile never chooses Avx512).
+            _ => return unsafe { x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) },
         }
         let _ = isa;
         portable_kernel::<f32, 12, 32>(kc, a, b, c, ldc)
@@ -241,23 +232,27 @@ impl GemmAcc for f32 {
 }
 
 /// The portable micro-kernel (f32 and f64): an MR × NR tile of C += A-panel × B-panel over
-/// `kc` steps, for CPUs without AVX2/FMA.
+/// `kc` steps, per element the SIMD kernels' operations (a chain of fused multiply-adds from
+/// zero, added to C at the end), so it gives their bits.
 #[inline(always)]
-fn portable_kernel<T, const MR: usize, const NR: usize>(kc: usize, a: &[T], b: &[T], c: &mut [T], ldc: usize)
-where
-    T: Copy + Default + std::ops::AddAssign + std::ops::Mul<Output = T>,
-{
+fn portable_kernel<T: GemmAcc, const MR: usize, const NR: usize>(
+    kc: usize,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    ldc: usize,
+) {
     let mut acc = [[T::default(); NR]; MR];
     for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(kc) {
         for i in 0..MR {
             for j in 0..NR {
-                acc[i][j] += ap[i] * bp[j];
+                acc[i][j] = ap[i].fused_mul_add(bp[j], acc[i][j]);
             }
         }
     }
     for (i, row) in acc.iter().enumerate() {
         for (cv, &v) in c[i * ldc..i * ldc + NR].iter_mut().zip(row) {
-            *cv += v;
+            *cv = *cv + v;
         }
     }
 }
@@ -266,6 +261,10 @@ impl GemmAcc for f64 {
     const MR: usize = 6;
     const NR: usize = 8;
     const NC: usize = 128;
+    #[inline(always)]
+    fn fused_mul_add(self, b: f64, c: f64) -> f64 {
+        self.mul_add(b, c)
+    }
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn pack_b<T: Copy>(
@@ -287,7 +286,7 @@ impl GemmAcc for f64 {
         assert!(a.len() >= kc * 6 && b.len() >= kc * 8 && c.len() >= 5 * ldc + 8 && ldc >= 8);
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable {
-            // SAFETY: as for f32 (the AVX2 kernel serves both SIMD paths).
+            // SAFETY: as for f32 (the AVX2 kernel serves AVX-512 too).
             return unsafe { x86::kernel_f64(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
         }
         let _ = isa;
@@ -492,18 +491,18 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
             let p = &problems[task.problem];
             #[cfg(target_arch = "x86_64")]
             match isa {
-                // SAFETY (both): the CPU has the instructions (`isa` comes from the run-time
-                // check).
+                Isa::Portable => {}
+                // SAFETY (both): the CPU has the instructions (`isa` comes from `isa::current`).
                 #[cfg(fsdpturbo_avx512)]
                 Isa::Avx512 => {
                     unsafe { run_task_avx512(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
                     continue;
                 }
-                Isa::Avx2 => {
+                // AVX2 (a build without the AVX-512 tile never chooses Avx512).
+                _ => {
                     unsafe { run_task_avx2(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
                     continue;
                 }
-                Isa::Portable => {}
             }
             run_task(task, p, a_src, b_src, &out, &mut ws, &dec, &enc, isa);
         }
@@ -551,7 +550,7 @@ fn elems(a: usize, b: usize, what: &str) -> Result<usize> {
 }
 
 /// One of the three grouped GEMMs on the `isa` code path (the public entry points pass
-/// `Isa::of(options)`).
+/// `options.isa()`).
 #[allow(clippy::too_many_arguments)]
 fn grouped(
     op: GemmOp,
@@ -667,7 +666,7 @@ pub fn grouped_matmul_with(
     options: KernelOptions,
 ) -> Result<()> {
     let (a, b, c) = (("x", x), ("weight", weight), ("y", y));
-    grouped(GemmOp::Forward, a, b, c, group_rows, in_features, out_features, options, Isa::of(options))
+    grouped(GemmOp::Forward, a, b, c, group_rows, in_features, out_features, options, options.isa()?)
 }
 
 /// The input gradient of [`grouped_matmul`]: `grad_x[rows of g] = grad_y[rows of g] @ weight[g]`,
@@ -695,7 +694,7 @@ pub fn grouped_matmul_grad_input_with(
     options: KernelOptions,
 ) -> Result<()> {
     let (a, b, c) = (("grad_y", grad_y), ("weight", weight), ("grad_x", grad_x));
-    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, options, Isa::of(options))
+    grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, options, options.isa()?)
 }
 
 /// The weight gradient of [`grouped_matmul`]: `grad_weight[g] = grad_y[rows of g]^T @ x[rows of g]`,
@@ -723,12 +722,14 @@ pub fn grouped_matmul_grad_weight_with(
     options: KernelOptions,
 ) -> Result<()> {
     let (a, b, c) = (("grad_y", grad_y), ("x", x), ("grad_weight", grad_weight));
-    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, options, Isa::of(options))
+    grouped(GemmOp::GradWeight, a, b, c, group_rows, in_features, out_features, options, options.isa()?)
 }
 
-#[cfg(all(test, target_arch = "x86_64", fsdpturbo_avx512))]
+#[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Dtype;
+    use crate::host::isa::Capabilities;
 
     /// Deterministic values in [-1, 1).
     fn values(seed: u64, len: usize) -> Vec<f32> {
@@ -741,34 +742,84 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn the_avx512_and_avx2_kernels_give_the_same_bits() {
-        if !(std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: the CPU lacks AVX-512F or FMA");
-            return;
+    /// Owned elements of one type, made from f32 values (f64: times 1.01, to use its precision).
+    enum Data {
+        F32(Vec<f32>),
+        F64(Vec<f64>),
+        Bf16(Vec<u16>),
+        F16(Vec<u16>),
+    }
+
+    impl Data {
+        fn new(dtype: Dtype, v: &[f32]) -> Data {
+            match dtype {
+                Dtype::F32 => Data::F32(v.to_vec()),
+                Dtype::F64 => Data::F64(v.iter().map(|&f| f as f64 * 1.01).collect()),
+                Dtype::Bf16 => Data::Bf16(v.iter().map(|&f| f32_to_bf16(f)).collect()),
+                Dtype::F16 => Data::F16(v.iter().map(|&f| f32_to_f16(f)).collect()),
+                other => unreachable!("{other:?} is not a floating-point type"),
+            }
         }
-        // Edge tiles in every dimension (rows, columns and depth not multiples of 12, 32 and
-        // the K block), an empty group, and depths above the K block.
-        let counts = [13u64, 0, 40, 300, 1];
-        let (i, o) = (270, 45);
+        fn buf(&self) -> HostBuf<'_> {
+            match self {
+                Data::F32(v) => HostBuf::F32(v),
+                Data::F64(v) => HostBuf::F64(v),
+                Data::Bf16(v) => HostBuf::Bf16(v),
+                Data::F16(v) => HostBuf::F16(v),
+            }
+        }
+        fn buf_mut(&mut self) -> HostBufMut<'_> {
+            match self {
+                Data::F32(v) => HostBufMut::F32(v),
+                Data::F64(v) => HostBufMut::F64(v),
+                Data::Bf16(v) => HostBufMut::Bf16(v),
+                Data::F16(v) => HostBufMut::F16(v),
+            }
+        }
+        fn bits(&self) -> Vec<u64> {
+            match self {
+                Data::F32(v) => v.iter().map(|x| x.to_bits().into()).collect(),
+                Data::F64(v) => v.iter().map(|x| x.to_bits()).collect(),
+                Data::Bf16(v) | Data::F16(v) => v.iter().map(|&x| x.into()).collect(),
+            }
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_portable_bits_for_every_type() {
+        let supported = Capabilities::detect().supported();
+        if supported.len() == 1 {
+            eprintln!("only the portable loops run on this host: nothing to compare them with");
+        }
+        // Edge tiles in every dimension (rows, columns and depths not multiples of the tiles
+        // or of the K block), empty groups, depths of one and of three K blocks (in 530; a
+        // group of 300 rows for the weight gradient), more columns than one task takes (530).
+        let counts = [13u64, 0, 40, 300, 1, 0];
+        let (i, o) = (530, 45);
         let n = counts.iter().sum::<u64>() as usize;
         let (x, w, gy) = (values(1, n * i), values(2, counts.len() * o * i), values(3, n * o));
-        let bf = |v: &[f32]| v.iter().map(|&f| f32_to_bf16(f)).collect::<Vec<u16>>();
-        let (xb, gyb) = (bf(&x), bf(&gy));
         let options = KernelOptions { threads: Some(2), portable: false };
-        let run = |isa: Isa| {
-            let gemm =
-                |op, a, b, c| grouped(op, ("a", a), ("b", b), ("c", c), &counts, i, o, options, isa).unwrap();
-            let (mut y, mut gx, mut gw) =
-                (vec![0f32; n * o], vec![0f32; n * i], vec![0f32; counts.len() * o * i]);
-            let mut gw_bf16 = vec![0u16; counts.len() * o * i];
-            gemm(GemmOp::Forward, HostBuf::F32(&x), HostBuf::F32(&w), HostBufMut::F32(&mut y));
-            gemm(GemmOp::GradInput, HostBuf::F32(&gy), HostBuf::F32(&w), HostBufMut::F32(&mut gx));
-            gemm(GemmOp::GradWeight, HostBuf::F32(&gy), HostBuf::F32(&x), HostBufMut::F32(&mut gw));
-            gemm(GemmOp::GradWeight, HostBuf::Bf16(&gyb), HostBuf::Bf16(&xb), HostBufMut::Bf16(&mut gw_bf16));
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
-            (bits(&y), bits(&gx), bits(&gw), gw_bf16)
+        let run = |isa: Isa, dtype: Dtype| {
+            let (x, w, gy) = (Data::new(dtype, &x), Data::new(dtype, &w), Data::new(dtype, &gy));
+            let gemm = |op, a: &Data, b: &Data, len| {
+                let mut c = Data::new(dtype, &vec![0.0; len]);
+                let (a, b, c_buf) = (("a", a.buf()), ("b", b.buf()), ("c", c.buf_mut()));
+                grouped(op, a, b, c_buf, &counts, i, o, options, isa).unwrap();
+                c.bits()
+            };
+            [
+                ("forward", gemm(GemmOp::Forward, &x, &w, n * o)),
+                ("grad_input", gemm(GemmOp::GradInput, &gy, &w, n * i)),
+                ("grad_weight", gemm(GemmOp::GradWeight, &gy, &x, counts.len() * o * i)),
+            ]
         };
-        assert!(run(Isa::Avx512) == run(Isa::Avx2));
+        for dtype in [Dtype::F32, Dtype::F64, Dtype::Bf16, Dtype::F16] {
+            let portable = run(Isa::Portable, dtype);
+            for &isa in &supported[1..] {
+                for ((op, got), (_, want)) in run(isa, dtype).iter().zip(&portable) {
+                    assert!(got == want, "{dtype:?} {op}: {isa:?} differs from the portable loops");
+                }
+            }
+        }
     }
 }

@@ -1,8 +1,8 @@
 //! The gradient norm's host kernels: p-power sums and in-place scaling over lists of buffers.
 //!
 //! Chunked loops with 16 independent accumulators; p = 1, p = 2 and p = inf have their own
-//! loops (explicit AVX2 + F16C code chosen at run time on x86-64, `x86.rs`; portable loops the
-//! compiler vectorises elsewhere), other p go through `powf`. bf16 is widened by a bit shift,
+//! loops (explicit AVX2 + F16C code on the AVX2 and AVX-512 paths of [`super::isa`], `x86.rs`;
+//! portable loops the compiler vectorises elsewhere), other p go through `powf`. bf16 is widened by a bit shift,
 //! binary16 by F16C or an exact branch-free conversion. Inputs of at least
 //! [`PARALLEL_MIN_ELEMS`](super::PARALLEL_MIN_ELEMS) elements are split over the available cores with
 //! `std::thread::scope`. Results are bit-for-bit independent of the thread count and of the
@@ -11,8 +11,10 @@
 //! block results are combined sequentially in buffer and block order.
 
 use super::buf::{HostBuf, HostBufMut};
+use super::isa::{self, Isa};
 use super::threads::default_threads;
 use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::error::Result;
 
 /// Elements per block: the unit of work of a thread and of the deterministic combine.
 /// cbindgen:ignore
@@ -177,40 +179,29 @@ fn scale_kernel(buf: &mut HostBufMut<'_>, coef: f64) {
     }
 }
 
-/// The instruction set chosen at run time. The kernels give identical results on every path
-/// (NaN payloads aside): the lane structure is explicit, so vector width never reorders a sum.
-#[derive(Clone, Copy)]
-struct Isa {
-    /// AVX2 and F16C (every AVX2 CPU has F16C).
+/// One block on `isa`: the explicit AVX2 + F16C kernels on the SIMD paths, the portable ones
+/// otherwise. The results are identical (NaN payloads aside): the lane structure is explicit,
+/// so vector width never reorders a sum.
+fn block(isa: Isa, buf: HostBuf<'_>, kernel: Kernel, acc_f64: bool) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    avx2: bool,
+    if isa != Isa::Portable {
+        // SAFETY: the CPU has AVX2 and F16C (`isa` comes from `isa::current`; AVX-512 CPUs
+        // have them too).
+        return unsafe { x86::block(buf, kernel, acc_f64) };
+    }
+    let _ = isa;
+    block_kernel(buf, kernel, acc_f64)
 }
 
-impl Isa {
-    fn detect() -> Isa {
-        Isa {
-            #[cfg(target_arch = "x86_64")]
-            avx2: std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c"),
-        }
+/// Scales one buffer on `isa`, as [`block`] chooses its kernels.
+fn scale(isa: Isa, buf: &mut HostBufMut<'_>, coef: f64) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: as in `block`.
+        return unsafe { x86::scale(buf, coef) };
     }
-
-    fn block(self, buf: HostBuf<'_>, kernel: Kernel, acc_f64: bool) -> f64 {
-        #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: the CPU supports AVX2 and F16C (checked at run time above).
-            return unsafe { x86::block(buf, kernel, acc_f64) };
-        }
-        block_kernel(buf, kernel, acc_f64)
-    }
-
-    fn scale(self, buf: &mut HostBufMut<'_>, coef: f64) {
-        #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: as above.
-            return unsafe { x86::scale(buf, coef) };
-        }
-        scale_kernel(buf, coef)
-    }
+    let _ = isa;
+    scale_kernel(buf, coef)
 }
 
 /// Explicit AVX2 (+ F16C for binary16) kernels for the common cases; the others (p through
@@ -233,12 +224,17 @@ pub(crate) fn nan_max(a: f64, b: f64) -> f64 {
 /// elements give 0), for a checked p > 0. `accumulate_f64` chooses f64 accumulators (f64
 /// buffers always use f64); with f32 accumulators the per-block sums are still combined in f64.
 /// `threads`: at most that many (0 and 1: the calling thread alone); `None`: all available
-/// cores from [`PARALLEL_MIN_ELEMS`](super::PARALLEL_MIN_ELEMS) elements. The result is bit-for-bit the same for every
-/// thread count.
-pub fn power_sum(bufs: &[HostBuf], p: f64, accumulate_f64: bool, threads: Option<usize>) -> f64 {
+/// cores from [`PARALLEL_MIN_ELEMS`](super::PARALLEL_MIN_ELEMS) elements. The result is
+/// bit-for-bit the same for every thread count and instruction set. Fails only on a bad
+/// `FSDPTURBO_HOST_ISA` ([`super::isa`]).
+pub fn power_sum(bufs: &[HostBuf], p: f64, accumulate_f64: bool, threads: Option<usize>) -> Result<f64> {
+    Ok(power_sum_on(isa::current()?, bufs, p, accumulate_f64, threads))
+}
+
+/// [`power_sum`] on `isa`.
+fn power_sum_on(isa: Isa, bufs: &[HostBuf], p: f64, accumulate_f64: bool, threads: Option<usize>) -> f64 {
     let kernel = Kernel::of(p);
     let is_max = matches!(kernel, Kernel::Max);
-    let isa = Isa::detect();
     let fold = |acc: f64, v: f64| if is_max { nan_max(acc, v) } else { acc + v };
     let blocks = bufs.iter().flat_map(|buf| {
         let len = buf.len();
@@ -248,7 +244,7 @@ pub fn power_sum(bufs: &[HostBuf], p: f64, accumulate_f64: bool, threads: Option
     let total: usize = bufs.iter().map(HostBuf::len).sum();
     let threads = threads.unwrap_or_else(|| default_threads(total)).min(total.div_ceil(BLOCK_ELEMS));
     if threads <= 1 {
-        return blocks.map(|b| isa.block(b, kernel, accumulate_f64)).fold(0.0, fold);
+        return blocks.map(|b| block(isa, b, kernel, accumulate_f64)).fold(0.0, fold);
     }
     let blocks: Vec<HostBuf> = blocks.collect();
     let mut partials = vec![0.0f64; blocks.len()];
@@ -259,13 +255,13 @@ pub fn power_sum(bufs: &[HostBuf], p: f64, accumulate_f64: bool, threads: Option
         for (chunk, out) in work {
             scope.spawn(move || {
                 for (b, o) in chunk.iter().zip(out) {
-                    *o = isa.block(*b, kernel, accumulate_f64);
+                    *o = block(isa, *b, kernel, accumulate_f64);
                 }
             });
         }
         if let Some((chunk, out)) = own {
             for (b, o) in chunk.iter().zip(out) {
-                *o = isa.block(*b, kernel, accumulate_f64);
+                *o = block(isa, *b, kernel, accumulate_f64);
             }
         }
     });
@@ -274,20 +270,27 @@ pub fn power_sum(bufs: &[HostBuf], p: f64, accumulate_f64: bool, threads: Option
 
 /// Multiplies every element by `coef` in place (fused over all buffers): f64 buffers in f64,
 /// the others in f32 arithmetic rounded once to the storage type (to nearest, ties to even).
-/// Large inputs (≥ [`PARALLEL_MIN_ELEMS`](super::PARALLEL_MIN_ELEMS) elements) use all available cores.
-pub fn scale_in_place(bufs: &mut [HostBufMut], coef: f64) {
+/// Large inputs (≥ [`PARALLEL_MIN_ELEMS`](super::PARALLEL_MIN_ELEMS) elements) use all available
+/// cores. The results are the same bits on every instruction set (NaN payloads aside). Fails
+/// only on a bad `FSDPTURBO_HOST_ISA` ([`super::isa`]).
+pub fn scale_in_place(bufs: &mut [HostBufMut], coef: f64) -> Result<()> {
     let total = bufs.iter().map(HostBufMut::len).sum();
-    scale_in_place_threads(bufs, coef, default_threads(total));
+    scale_in_place_threads(bufs, coef, default_threads(total))
 }
 
 /// [`scale_in_place`] on at most `threads` threads.
-pub fn scale_in_place_threads(bufs: &mut [HostBufMut], coef: f64, threads: usize) {
-    let isa = Isa::detect();
+pub fn scale_in_place_threads(bufs: &mut [HostBufMut], coef: f64, threads: usize) -> Result<()> {
+    scale_on(isa::current()?, bufs, coef, threads);
+    Ok(())
+}
+
+/// [`scale_in_place_threads`] on `isa`.
+fn scale_on(isa: Isa, bufs: &mut [HostBufMut], coef: f64, threads: usize) {
     let total: usize = bufs.iter().map(HostBufMut::len).sum();
     let threads = threads.min(total.div_ceil(BLOCK_ELEMS));
     if threads <= 1 {
         for buf in bufs.iter_mut() {
-            isa.scale(buf, coef);
+            scale(isa, buf, coef);
         }
         return;
     }
@@ -300,10 +303,10 @@ pub fn scale_in_place_threads(bufs: &mut [HostBufMut], coef: f64, threads: usize
         let mut work = pieces.chunks_mut(per_thread);
         let own = work.next();
         for chunk in work {
-            scope.spawn(move || chunk.iter_mut().for_each(|b| isa.scale(b, coef)));
+            scope.spawn(move || chunk.iter_mut().for_each(|b| scale(isa, b, coef)));
         }
         if let Some(chunk) = own {
-            chunk.iter_mut().for_each(|b| isa.scale(b, coef));
+            chunk.iter_mut().for_each(|b| scale(isa, b, coef));
         }
     });
 }
@@ -311,63 +314,94 @@ pub fn scale_in_place_threads(bufs: &mut [HostBufMut], coef: f64, threads: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::isa::Capabilities;
+
+    /// The instruction sets this host runs besides the portable loops.
+    fn simd_paths() -> Vec<Isa> {
+        let supported = Capabilities::detect().supported();
+        if supported.len() == 1 {
+            eprintln!("only the portable loops run on this host: nothing to compare them with");
+        }
+        supported[1..].to_vec()
+    }
+
+    /// Equal bits, or both NaN (payloads may differ).
+    fn same(a: f64, b: f64) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    /// Magnitudes from f16 subnormals to large values, both signs, then ±0, ±inf and NaN.
+    fn inputs(len: usize, specials: bool) -> Vec<f32> {
+        let mut xs: Vec<f32> =
+            (0..len).map(|i| (((i * 7919) % 2003) as f32 - 1001.0) * 2f32.powi(i as i32 % 40 - 30)).collect();
+        if specials {
+            for (k, v) in
+                [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-45].into_iter().enumerate()
+            {
+                xs[(k * 37) % len] = v;
+            }
+        }
+        xs
+    }
 
     #[test]
-    fn scaling_agrees_with_and_without_avx2_for_every_pattern() {
+    fn scaling_agrees_on_every_instruction_set_for_every_pattern_and_type() {
         let all: Vec<u16> = (0..=u16::MAX).collect();
-        let portable = Isa {
-            #[cfg(target_arch = "x86_64")]
-            avx2: false,
-        };
-        let detected = Isa::detect();
-        for coef in [0.3, 1e-3, 0.999_999, 1.0 + 2f64.powi(-8), 1e-30, 0.0, 7.5] {
-            for bf16 in [true, false] {
-                let (mut a, mut b) = (all.clone(), all.clone());
-                let (mut ha, mut hb) = if bf16 {
-                    (HostBufMut::Bf16(&mut a), HostBufMut::Bf16(&mut b))
-                } else {
-                    (HostBufMut::F16(&mut a), HostBufMut::F16(&mut b))
-                };
-                portable.scale(&mut ha, coef);
-                detected.scale(&mut hb, coef);
-                let value = |x: u16| if bf16 { bf16_to_f32(x) } else { f16_to_f32(x) };
-                for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
-                    if value(x).is_nan() {
-                        assert!(value(y).is_nan(), "bf16={bf16} coef={coef} input {i:#06x}");
+        let xs = inputs(10_007, true);
+        let f64s: Vec<f64> = xs.iter().map(|&x| x as f64 * 1.1).collect();
+        for isa in simd_paths() {
+            for coef in [0.3, 1e-3, 0.999_999, 1.0 + 2f64.powi(-8), 1e-30, 0.0, 7.5] {
+                for bf16 in [true, false] {
+                    let (mut a, mut b) = (all.clone(), all.clone());
+                    let (ha, hb) = if bf16 {
+                        (HostBufMut::Bf16(&mut a), HostBufMut::Bf16(&mut b))
                     } else {
-                        assert_eq!(x, y, "bf16={bf16} coef={coef} input {i:#06x}");
+                        (HostBufMut::F16(&mut a), HostBufMut::F16(&mut b))
+                    };
+                    scale_on(Isa::Portable, &mut [ha], coef, 1);
+                    scale_on(isa, &mut [hb], coef, 1);
+                    let value = |x: u16| if bf16 { bf16_to_f32(x) } else { f16_to_f32(x) };
+                    for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+                        let what = format!("{isa:?} bf16={bf16} coef={coef} input {i:#06x}");
+                        assert!(x == y || (value(x).is_nan() && value(y).is_nan()), "{what}");
                     }
                 }
+                let (mut a, mut b) = ((xs.clone(), f64s.clone()), (xs.clone(), f64s.clone()));
+                scale_on(Isa::Portable, &mut [HostBufMut::F32(&mut a.0), HostBufMut::F64(&mut a.1)], coef, 1);
+                scale_on(isa, &mut [HostBufMut::F32(&mut b.0), HostBufMut::F64(&mut b.1)], coef, 1);
+                let f32_same = a.0.iter().zip(&b.0).all(|(&x, &y)| same(x as f64, y as f64));
+                assert!(f32_same && a.1.iter().zip(&b.1).all(|(&x, &y)| same(x, y)), "{isa:?} coef={coef}");
             }
         }
     }
 
     #[test]
-    fn kernels_agree_with_and_without_avx2() {
-        // Magnitudes from f16 subnormals to large values, both signs.
-        let xs: Vec<f32> =
-            (0..10_007).map(|i| (((i * 7919) % 2003) as f32 - 1001.0) * 2f32.powi(i % 40 - 30)).collect();
-        let bf: Vec<u16> = xs.iter().map(|&x| f32_to_bf16(x)).collect();
-        let hf: Vec<u16> = xs.iter().map(|&x| f32_to_f16(x)).collect();
-        let f64s: Vec<f64> = xs.iter().map(|&x| x as f64 * 1.1).collect();
-        let portable = Isa {
-            #[cfg(target_arch = "x86_64")]
-            avx2: false,
-        };
-        let detected = Isa::detect();
-        for kernel in [Kernel::Abs, Kernel::Square, Kernel::Pow(3.5), Kernel::Max] {
-            for acc in [false, true] {
-                for len in [0, 1, 15, 16, 17, 31, 33, 63, 64, 65, 100, 10_007] {
-                    let bufs = [
-                        HostBuf::F32(&xs[..len]),
-                        HostBuf::Bf16(&bf[..len]),
-                        HostBuf::F16(&hf[..len]),
-                        HostBuf::F64(&f64s[..len]),
-                    ];
-                    for buf in bufs {
-                        let a = portable.block(buf, kernel, acc);
-                        let b = detected.block(buf, kernel, acc);
-                        assert_eq!(a.to_bits(), b.to_bits(), "{kernel:?} acc_f64={acc} len={len}");
+    fn power_sums_agree_on_every_instruction_set_for_every_p_and_type() {
+        let simd = simd_paths();
+        // Lengths around the 16 lanes and the 32/64-element max loops, and above a block.
+        let long = 2 * BLOCK_ELEMS + 1001;
+        for specials in [false, true] {
+            let xs = inputs(long, specials);
+            let bf: Vec<u16> = xs.iter().map(|&x| f32_to_bf16(x)).collect();
+            let hf: Vec<u16> = xs.iter().map(|&x| f32_to_f16(x)).collect();
+            let f64s: Vec<f64> = xs.iter().map(|&x| x as f64 * 1.1).collect();
+            for p in [1.0, 2.0, 3.5, 0.5, f64::INFINITY] {
+                for acc in [false, true] {
+                    for len in [0, 1, 15, 16, 17, 31, 33, 63, 64, 65, 100, 10_007, long] {
+                        let bufs = [
+                            HostBuf::F32(&xs[..len]),
+                            HostBuf::Bf16(&bf[..len]),
+                            HostBuf::F16(&hf[..len]),
+                            HostBuf::F64(&f64s[..len]),
+                        ];
+                        for buf in bufs {
+                            let want = power_sum_on(Isa::Portable, &[buf], p, acc, Some(1));
+                            for &isa in &simd {
+                                let got = power_sum_on(isa, &[buf], p, acc, Some(1));
+                                let what = format!("{isa:?} {:?} p={p} acc_f64={acc} len={len}", buf.dtype());
+                                assert!(same(got, want), "{what}: {got} against {want}");
+                            }
+                        }
                     }
                 }
             }

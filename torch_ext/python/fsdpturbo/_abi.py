@@ -251,6 +251,7 @@ FUNCTIONS = {
     'fsdpturbo_config_dispatcher': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_int32)]),
     'fsdpturbo_last_error': (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
     'fsdpturbo_status_name': (_c.c_char_p, [_c.c_int32]),
+    'fsdpturbo_host_isa': (_c.c_int32, [_c.POINTER(_c.c_char_p)]),
     'fsdpturbo_norm_plan': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_clip_grad_norm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, fsdpturbo_reduce_fn, _c.c_void_p, _c.POINTER(_c.c_double)]),
     'fsdpturbo_scale_in_place': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double]),

@@ -96,6 +96,17 @@ def check(status):
     raise cls(last_error(), name)
 
 
+def host_isa():
+    """The instruction set of libfsdpturbo's host (CPU) kernels in this process: "portable",
+    "avx2" or "avx512", the best this CPU and build have, capped by FSDPTURBO_HOST_ISA (read once
+    per process). Every path gives the same bits. A FSDPTURBO_HOST_ISA that names no instruction
+    set raises FsdpturboValueError, one this host cannot run FsdpturboError, as every host kernel
+    (the CPU ops of torch.ops.fsdpturbo) then does."""
+    name = ctypes.c_char_p()
+    check(lib.fsdpturbo_host_isa(ctypes.byref(name)))
+    return name.value.decode()
+
+
 def string_out(fn, *args):
     """Calls a `(..., char *buf, size_t cap, size_t *out_len)` function twice: size, then text."""
     needed = ctypes.c_size_t(0)

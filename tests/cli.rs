@@ -1,30 +1,21 @@
 //! The `fsdpturbo plan` CLI, run as a process.
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-/// Cargo's environment variable for the runner of the target the tests are built for.
-fn runner_variable() -> String {
-    format!("CARGO_TARGET_{}_RUNNER", env!("FSDPTURBO_TARGET").to_uppercase().replace(['-', '.'], "_"))
-}
+mod common;
 
-/// Runs the CLI the way cargo runs this test: through the target's runner when one is set (a
-/// cross-compiled test runs under e.g. `qemu-aarch64-static`, which the processes it starts do
-/// not inherit), directly otherwise. Cargo splits the variable's value on whitespace; so do we.
+/// Runs the CLI (through the target's runner when cross-compiled: `common::target_command`).
 fn plan(args: &[&str]) -> Output {
-    let runner = std::env::var(runner_variable()).unwrap_or_default();
-    let mut words: Vec<&str> = runner.split_whitespace().collect();
-    words.push(env!("CARGO_BIN_EXE_fsdpturbo"));
-    Command::new(words[0])
-        .args(&words[1..])
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap_or_else(|e| {
+    let cli = std::path::Path::new(env!("CARGO_BIN_EXE_fsdpturbo"));
+    common::target_command(cli).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap_or_else(
+        |e| {
             panic!(
-                "cannot run {words:?}: {e} (a cross-compiled CLI needs its runner in {})",
-                runner_variable()
+                "cannot run {}: {e} (a cross-compiled CLI needs its runner in {})",
+                cli.display(),
+                common::runner_variable()
             )
-        })
+        },
+    )
 }
 
 fn stdout(output: &Output) -> String {

@@ -4,7 +4,6 @@
 //! test) to see the variable act, and checks the bits against those every machine must give.
 
 use std::ffi::{CStr, c_void};
-use std::process::Command;
 
 use fsdpturbo::dtype::{f32_to_bf16, f32_to_f16};
 use fsdpturbo::ffi::dtype::*;
@@ -175,7 +174,7 @@ fn child() {
 /// The child's report with FSDPTURBO_HOST_ISA set to `value` (`None`: unset): the instruction
 /// set, then the kernels.
 fn run_child(value: Option<&str>) -> (String, Vec<(String, String)>) {
-    let mut command = Command::new(std::env::current_exe().unwrap());
+    let mut command = common::target_command(&std::env::current_exe().unwrap());
     command.args(["child", "--exact", "--nocapture", "--test-threads=1"]).env(CHILD, "1");
     match value {
         Some(value) => command.env("FSDPTURBO_HOST_ISA", value),

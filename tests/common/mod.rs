@@ -1,7 +1,31 @@
 //! Helpers shared by the integration tests (`mod common;` in each test file that needs them).
 #![allow(dead_code)] // each test binary uses its own subset
 
+use std::process::Command;
+
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
+
+/// Cargo's environment variable for the runner of the target the tests are built for.
+pub fn runner_variable() -> String {
+    format!("CARGO_TARGET_{}_RUNNER", env!("FSDPTURBO_TARGET").to_uppercase().replace(['-', '.'], "_"))
+}
+
+/// A command that runs `program` (built for the test's target) the way cargo runs the tests:
+/// through the target's runner when one is set (a cross-compiled test runs under e.g.
+/// `qemu-aarch64-static`, which the processes it starts do not inherit), directly otherwise.
+/// Cargo splits the variable's value on whitespace; so do we.
+pub fn target_command(program: &std::path::Path) -> Command {
+    let runner = std::env::var(runner_variable()).unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    match words.next() {
+        Some(first) => {
+            let mut command = Command::new(first);
+            command.args(words).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
 
 /// splitmix64: a small deterministic generator, so failures reproduce.
 pub struct Rng(pub u64);

@@ -6,7 +6,7 @@
 //! the files directly in `src/ffi/`, and `include/fsdpturbo_internal.h` (the op library's device
 //! kernels and the test hooks) from those in `src/ffi/internal/`. Nothing outside `src/ffi` can
 //! reach either header, so the vendor constants and types of `src/backend` stay private to the
-//! crate however they are declared there (DESIGN.md §3).
+//! crate however they are declared there (docs/design.md §3).
 
 use std::path::{Path, PathBuf};
 

@@ -1,7 +1,7 @@
 """The seed's plan resolution loops, for the benchmark in benches/plan.rs.
 
-A transcription of the seed's `module_name_match` (reference/seed-semantics.md §2.1: the
-pattern is recompiled on every call) and of the three loops plan resolution runs over
+A transcription of the seed's `module_name_match` (the seed
+recompiles the pattern on every call) and of the three loops plan resolution runs over
 `named_modules()`: EP modules, EFSDP modules, and the outer-FSDP2 ignored parameters
 (§2.3, §4.5). Usage: seed_plan.py NAMES_FILE REPEATS; prints the median seconds of one
 resolution and the number of modules matched, as JSON.

@@ -598,7 +598,7 @@ const char *fsdpturbo_status_name(int32_t status);
 // message naming the variable, the value, what is accepted and what this host supports.
 int32_t fsdpturbo_host_isa(const char **out_name);
 
-// The reduction plan of a gradient list without computing anything (DESIGN.md section 4.2):
+// The reduction plan of a gradient list without computing anything (docs/design.md §4.2):
 // which mesh dims each gradient's local p-power sum must be reduced over, grouped into
 // distinct sets in first-seen order, so a caller that does its own collectives (the Python
 // package) issues one reduction per set, the same on every rank. Only `dims`, `roles` and
@@ -623,7 +623,7 @@ int32_t fsdpturbo_norm_plan(const fsdpturbo_grad_t *grads,
                             size_t *out_n_set_dims);
 
 // Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
-// in place (DESIGN.md section 4.2): each gradient's local p-power sum is reduced over the mesh dims on
+// in place (docs/design.md §4.2): each gradient's local p-power sum is reduced over the mesh dims on
 // which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
 // with one `reduce` call per distinct set of dims, in first-seen order over `grads`, on every
 // rank, also when this rank holds no elements (the value is then 0). Gradients of plain

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generates the ctypes layer of the Python package from the C headers.
 
-Reads include/fsdpturbo.h and include/fsdpturbo_internal.h (cbindgen's output, DESIGN.md §3)
+Reads include/fsdpturbo.h and include/fsdpturbo_internal.h (cbindgen's output, docs/design.md §3)
 and writes torch_ext/python/fsdpturbo/_abi.py: every constant, the status codes and their
 names, the callback types, the structs and the signature of every function, so Python never
 retypes the C ABI. Also checks the prefix rule on the way: every name the headers declare
@@ -121,7 +121,7 @@ class Abi:
     def _prefixed(name, path):
         if not name.startswith(PREFIXES):
             raise HeaderError(f"{path.name} declares `{name}`, which does not start with fsdpturbo_/FSDPTURBO_ "
-                              f"(DESIGN.md §3: the header is the C API and nothing else)")
+                              f"(docs/design.md §3: the header is the C API and nothing else)")
 
     def _statement(self, stmt, path):
         stmt = re.sub(r'^extern "C" \{ ', "", stmt).strip()

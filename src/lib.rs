@@ -1,5 +1,5 @@
 //! libfsdpturbo: the expert-parallel (EP) and expert-sharded-FSDP (EFSDP) engine for
-//! Mixture-of-Experts training. Module map only; see DESIGN.md §2 for the layers.
+//! Mixture-of-Experts training. Module map only; see docs/design.md §2 for the layers.
 
 // Pure core: no I/O, no devices, no globals.
 pub mod config;

@@ -1,4 +1,4 @@
-//! Placement-aware gradient-norm math and the host p-norm kernels (DESIGN §4.2).
+//! Placement-aware gradient-norm math and the host p-norm kernels (docs/design.md §4.2).
 //!
 //! The algorithm, with the collectives abstracted away:
 //!
@@ -17,7 +17,7 @@
 //! 4. One coefficient, [`clip_coefficient`] = `min(max_norm / (norm + 1e-6), 1)`, scales every
 //!    local gradient in place ([`scale_in_place`]) when it is below 1.
 //!
-//! Deliberate differences from the seed (`reference/seed-semantics.md` §7):
+//! Deliberate differences from the seed's grad norm (docs/seed.md):
 //! - replicas are counted once (the seed reduces every set over every group, so a gradient that
 //!   is replicated over cp, or over ep for router/shared-expert weights, is over-counted);
 //! - p = inf is the max of |x| (the seed returns 1.0 for every input); p = 0, negative and NaN

@@ -1,4 +1,4 @@
-//! The device-operator registry (reference `seed-semantics.md` §9.1): operator name × device
+//! The device-operator registry (the seed's registry, docs/kernels.md): operator name × device
 //! type → implementation id, with the seed's resolution rules.
 //!
 //! The registry stores ids, not functions: each registration gets a fresh id, and the caller

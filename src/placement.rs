@@ -9,8 +9,8 @@
 //!   first splits the current dim into `f` pieces, splits each piece over the mesh dim, and
 //!   gives coordinate `i` the concatenation of every piece's chunk `i`: its local tensor is not
 //!   one block of the global tensor, and the offset torch reports is that of its first row.
-//! * [`seed_copy_slices`] is the slicing of the seed's `_copy_weights` (a named mode, DESIGN
-//!   §4.3): plain nested ceil-chunking in mesh-dim order, split factors ignored, and nothing
+//! * [`seed_copy_slices`] is the slicing of the seed's `_copy_weights` (a named mode,
+//!   docs/design.md §4.3): plain nested ceil-chunking in mesh-dim order, split factors ignored, and nothing
 //!   copied (None) when any level is empty.
 //! * [`copy_plan`] lists, as maximal contiguous runs, which elements of the full row-major
 //!   tensor form one rank's local tensor; [`gather_plan`] does so for every rank of the mesh
@@ -252,7 +252,7 @@ pub fn local_shape_and_offset(
     Ok((shape, offset))
 }
 
-/// The seed's `_copy_weights` slicing (seed-semantics §8): for every `Shard`-like placement
+/// The seed's `_copy_weights` slicing (docs/seed.md): for every `Shard`-like placement
 /// in mesh-dim order (a `_StridedShard` counts as a plain `Shard`, its split factor ignored),
 /// the current size `full` of its dim is cut into `ceil(full/n)` chunks and chunk `i` kept.
 /// Returns the slice of every tensor dim, or None when some level is empty (`start >= full`),

@@ -1,8 +1,8 @@
 //! The parallel topology: the sizes of every parallel dimension, and the device meshes built
 //! from them (data, model and expert), with rank coordinates and communication groups.
 //!
-//! Pure: no globals, no I/O. Semantics follow `reference/seed-semantics.md` §3 (LlamaFactory's
-//! base meshes and `FSDPTurboParallelState`), with one deliberate extension (DESIGN §4.6): an
+//! Pure: no globals, no I/O. Semantics follow the seed (LlamaFactory's base meshes and
+//! `FSDPTurboParallelState`), with one deliberate extension (docs/design.md §4.6): an
 //! explicit `efsdp_size` may leave `edp = dp / (ep * efsdp)` above 1, so experts are replicated.
 //!
 //! Every mesh follows torch `init_device_mesh`: the mesh tensor is `arange(world).reshape(shape)`,
@@ -312,7 +312,7 @@ fn positive_if_given(name: &str, value: Option<u64>, default: &str) -> Result<()
 }
 
 impl Topology {
-    /// Resolves and checks `spec` (reference §3.1, §3.3, DESIGN §4.6). Errors are
+    /// Resolves and checks `spec` (docs/design.md §4.6). Errors are
     /// `ErrorKind::Topology` and start with the seed's exact text where the seed has one.
     pub fn new(spec: &TopologySpec) -> Result<Topology> {
         let world = spec.world_size;

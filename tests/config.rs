@@ -1,5 +1,5 @@
 //! The strict training-configuration parser: every field, default, coercion and error text of
-//! seed-semantics §1.1, §1.2, §1.5 and the §10.2 config cases, with paths and lines; the
+//! the seed's configuration and LlamaFactory's config tests, with paths and lines; the
 //! malformed-YAML corpus under tests/data/config; and the C ABI called from Rust.
 
 use std::ffi::c_char;

@@ -1,5 +1,5 @@
-//! The device-operator registry: the seed's resolution rules and texts (reference
-//! `seed-semantics.md` §9.1) on `OpRegistry` values, name validation, and the C ABI of
+//! The device-operator registry: the seed's resolution rules and texts
+//! (docs/kernels.md) on `OpRegistry` values, name validation, and the C ABI of
 //! `ffi/ops.rs` over the process-wide registry (each test uses its own operator names, so the
 //! tests of this file can share it).
 

@@ -1,4 +1,4 @@
-//! Topology: sizes and errors (reference §3.1, §3.3, DESIGN §4.6), mesh layout and groups
+//! Topology: sizes and errors (docs/design.md §4.6), mesh layout and groups
 //! (§3.2, §3.4) checked against an independent `arange(world).reshape(shape)` model, and the
 //! C ABI of `ffi/topology.rs`.
 

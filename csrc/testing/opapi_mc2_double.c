@@ -1,4 +1,4 @@
-/* The libopapi double's MC2 operators (abi-and-apis.md §6.6): aclnnAlltoAllvGroupedMatMul (the
+/* The libopapi double's MC2 operators (ops-transformer's mc2/ operator docs): aclnnAlltoAllvGroupedMatMul (the
  * all-to-all-v, the permute from source-rank-major to local-expert-major, the grouped matmul) and
  * aclnnGroupedMatMulAlltoAllv (the grouped matmul, the unpermute back, the all-to-all-v). Like
  * the real operators they find their HCCL communicator by name and move the rows over it (the

@@ -1,6 +1,6 @@
 /* The libopapi double's MoE token permute and unpermute (paddedMode false, as fsdpturbo calls
  * them): sortedIndices maps every flat (token, k) slot to its row of the permuted tokens
- * (abi-and-apis.md §6.5), computed and applied on the host buffers. */
+ * (ops-transformer's moe/ operator docs), computed and applied on the host buffers. */
 #include <stdlib.h>
 #include <string.h>
 

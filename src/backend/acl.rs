@@ -1,6 +1,6 @@
 //! The ACL runtime (`libascendcl.so`), loaded at run time: streams only. libfsdpturbo never calls
 //! `aclInit`/`aclFinalize` (and does not even resolve them): torch_npu owns the runtime and
-//! tolerates no second owner (abi-and-apis.md §5.3). Signatures from `csrc/include/ascend/acl.h`.
+//! tolerates no second owner (torch_npu's own docs). Signatures from `csrc/include/ascend/acl.h`.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::PathBuf;

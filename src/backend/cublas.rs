@@ -2,7 +2,7 @@
 //! two backward GEMMs (host/gemm `grouped_matmul*`: row-major `x [N, in]`, `W [G, out, in]`,
 //! `y = x_g @ W[g]^T` per group of consecutive rows). `cublasGemmGroupedBatchedEx` (cuBLAS
 //! 12.5+) runs all groups in one call; without it, one `cublasGemmEx` per group. Signatures and
-//! enum values from reference/abi-and-apis.md §7. Inputs of 16-bit types compute in f32, f64 in
+//! enum values from cuBLAS's `cublas_api.h`. Inputs of 16-bit types compute in f32, f64 in
 //! f64. Empty groups give no rows and an all-zero weight gradient.
 
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
 //! HCCL (`libhccl.so`), loaded at run time. Signatures from `csrc/include/ascend/hccl.h`
-//! (abi-and-apis.md §5.1-§5.2): HCCL's own data-type and reduce-op numbering (not NCCL's; no
+//! (CANN's `hccl_types.h`, `hccl.h`): HCCL's own data-type and reduce-op numbering (not NCCL's; no
 //! AVG), a 4108-byte root info, and the communicator out-pointer last.
 
 use std::ffi::{CStr, c_char, c_int, c_void};

@@ -1,5 +1,5 @@
 //! NCCL (`libnccl.so.2`), loaded at run time. Declarations hand-written from NVIDIA/nccl
-//! `src/nccl.h.in` (reference/abi-and-apis.md §4): `ncclUniqueId` is a 128-byte struct passed
+//! `src/nccl.h.in`: `ncclUniqueId` is a 128-byte struct passed
 //! by value, streams are opaque pointers. `ncclAlltoAll` (2.28.3+) is optional; the all-to-all-v
 //! uses grouped send/recv, which every NCCL since 2.7 has.
 

@@ -152,7 +152,7 @@ fn layout_of(grad: &fsdpturbo_grad_t, i: usize) -> Result<GradLayout, FfiError> 
     Ok(GradLayout { dims: layout })
 }
 
-/// The reduction plan of a gradient list without computing anything (DESIGN.md section 4.2):
+/// The reduction plan of a gradient list without computing anything (docs/design.md §4.2):
 /// which mesh dims each gradient's local p-power sum must be reduced over, grouped into
 /// distinct sets in first-seen order, so a caller that does its own collectives (the Python
 /// package) issues one reduction per set, the same on every rank. Only `dims`, `roles` and
@@ -225,7 +225,7 @@ fn call_reduce(
 }
 
 /// Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
-/// in place (DESIGN.md section 4.2): each gradient's local p-power sum is reduced over the mesh dims on
+/// in place (docs/design.md §4.2): each gradient's local p-power sum is reduced over the mesh dims on
 /// which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
 /// with one `reduce` call per distinct set of dims, in first-seen order over `grads`, on every
 /// rank, also when this rank holds no elements (the value is then 0). Gradients of plain

@@ -1,7 +1,7 @@
 /* Header conformance: our hand-written CANN declarations (csrc/include/ascend) against the values
- * quoted in shared/reference/abi-and-apis.md §5-§6. Compiling is the test; main() only exists so
+ * of CANN's public headers (each quoted below). Compiling is the test; main() only exists so
  * ctest can run it. The signatures are checked by assigning each function to a pointer of the
- * reference's exact type (a mismatch is a compile error under -Werror). */
+ * header's exact type (a mismatch is a compile error under -Werror). */
 #include <assert.h>
 #include <stddef.h>
 
@@ -54,7 +54,7 @@ static_assert(GMM_ACT_TYPE_NONE == 0 && GMM_ACT_TYPE_RELU == 1 && GMM_ACT_TYPE_G
                   GMM_ACT_TYPE_GELU_ERR_FUNC == 3 && GMM_ACT_TYPE_FAST_GELU == 4 && GMM_ACT_TYPE_SILU == 5,
               "GMMActType");
 
-/* Signatures, written out again from the reference. */
+/* Signatures, written out again from CANN's headers. */
 typedef HcclResult (*init_root_info_t)(uint32_t, const HcclRootInfo *, uint32_t, HcclComm *);
 typedef HcclResult (*all_reduce_t)(void *, void *, uint64_t, HcclDataType, HcclReduceOp, HcclComm, aclrtStream);
 typedef HcclResult (*all_gather_t)(void *, void *, uint64_t, HcclDataType, HcclComm, aclrtStream);

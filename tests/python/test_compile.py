@@ -3,7 +3,7 @@ modules run eagerly on gloo ranks; and the graph breaks `torch._dynamo.explain` 
 that must be:
 
 - the dropless dispatchers: one per MoE forward, where the gathered counts reach the host (the
-  all-to-all split sizes, DESIGN §4.5; `pipeline.run`), which dynamo reports in every frame
+  all-to-all split sizes, docs/design.md §4.5; `pipeline.run`), which dynamo reports in every frame
   it unwinds through;
 - the capacity-bounded dispatch: none (the block compiles with `fullgraph=True`);
 - FSDP2: its hooks run under `torch._dynamo.disable` (`_fsdp_common.py`).

@@ -1,5 +1,5 @@
 """The flash-linear-attention kernel plugin (`fsdp_turbo.ops.fla`) and `kernel_config`
-application (reference seed-semantics §1.5, §9.2, §10.2).
+application, as the seed and LlamaFactory define them (docs/kernels.md).
 
 `fla` itself needs a GPU, so a stand-in `fla.ops.gated_delta_rule` is put in `sys.modules`
 whose kernels are HF transformers' own torch implementations of the gated delta rule
@@ -146,7 +146,7 @@ def test_an_fla_without_chunk_size_runs_chunks_of_64_only(monkeypatch):
 
 
 def test_flash_linear_attention_kernels_compose_with_auto(monkeypatch, caplog):
-    """LlamaFactory's test of the same name (reference §10.2), on this package; 'auto' applies
+    """LlamaFactory's test of the same name, on this package; 'auto' applies
     nothing here (the seed's auto kernels are LlamaFactory's NPU kernels)."""
     install_fla(monkeypatch, takes_chunk_size=True)
     model = TinyModel()
@@ -175,7 +175,7 @@ def test_flash_linear_attention_kernels_compose_with_auto(monkeypatch, caplog):
 
 
 def test_flash_linear_attention_kernel_validates_config(monkeypatch):
-    """LlamaFactory's test of the same name (reference §10.2), plus the plugin's other checks."""
+    """LlamaFactory's test of the same name, plus the plugin's other checks."""
     install_fla(monkeypatch, takes_chunk_size=True)
     model = TinyModel()
     with pytest.raises(ValueError, match="chunk_size"):

@@ -1,4 +1,4 @@
-"""The placement-aware gradient norm (DESIGN §4.2) against torch itself.
+"""The placement-aware gradient norm (docs/design.md §4.2) against torch itself.
 
 Multi-rank tests build one small model whose parameters sit on every layout FSDPTurbo produces,
 on gloo ranks with the seed's meshes (fsdpturbo.ParallelState):
@@ -393,7 +393,7 @@ def test_bf16_gradients():
 
 
 # ---------------------------------------------------------------------------------------------
-# (5) The seed's algorithm (seed-semantics §7.1) over-counts replicas; ours does not.
+# (5) The seed's algorithm (docs/seed.md) over-counts replicas; ours does not.
 
 def _seed_total_norm(params, p, state):
     """LlamaFactory's FSDPTurbo grad norm, line for line (§7.1 steps 3-8): non-EP summed over dp

@@ -1,4 +1,4 @@
-"""`patch_model_members` (reference seed-semantics §9.3) through `fsdp_turbo.utils.patch`:
+"""`patch_model_members` (the seed's, docs/kernels.md) through `fsdp_turbo.utils.patch`:
 plain-function instance attributes set unbound (HF's `self.chunk_gated_delta_rule = fn`),
 bound methods and classmethods rebound, subclasses matched, properties rebuilt with their
 setter, idempotence by replacement identity, dotted paths with the suffix retry, and every

@@ -1,4 +1,4 @@
-"""The device-operator registry (reference seed-semantics §9.1) through the Python package and
+"""The device-operator registry (docs/kernels.md) through the Python package and
 the `fsdp_turbo.ops` compatibility paths: exact match, the CPU fallback warned once, silent
 replacement, the seed's KeyErrors, name checks, the default device without starting CUDA, and
 one registry shared with the C ABI. Each test uses its own operator names (the registry is

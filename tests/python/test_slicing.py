@@ -1,4 +1,4 @@
-"""DTensor-exact weight slicing (DESIGN.md §4.3) against torch itself: the local shape and
+"""DTensor-exact weight slicing (docs/design.md §4.3) against torch itself: the local shape and
 offset against torch's `_compute_local_shape_and_global_offset`, the elements against torch's
 own shard splitting, `copy_weights_` against `distribute_tensor` and against the shards FSDP2
 makes of expert parameters built the seed's way, `gather_full` against `full_tensor()`, and
@@ -82,7 +82,7 @@ def _full_value(shape, seed, dtype=torch.float32):
 
 
 def _seed_copy_weights(param, loaded, strided_is_shard):
-    """The seed's `FSDPTurboFSDP2Engine._copy_weights` (seed-semantics §8), line for line. With
+    """The seed's `FSDPTurboFSDP2Engine._copy_weights` (docs/seed.md), line for line. With
     `strided_is_shard` a _StridedShard counts as a Shard (split factor ignored), as on the torch
     versions where it subclasses Shard; without, `isinstance(pl, Shard)` as on torch 2.15, where
     it does not."""

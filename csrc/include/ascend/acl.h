@@ -1,6 +1,6 @@
 /* Minimal ACL runtime declarations (libascendcl.so) used by libfsdpturbo, quoted from torch_npu
- * @fda6165 third_party/acl/inc/acl/{acl_base.h,acl_rt.h} as recorded in
- * shared/reference/abi-and-apis.md §5.3 and §6.3. libfsdpturbo never calls aclInit/aclFinalize:
+ * @fda6165 third_party/acl/inc/acl/{acl_base.h,acl_rt.h}.
+ * libfsdpturbo never calls aclInit/aclFinalize:
  * torch_npu owns the runtime. Checked by tests/c/test_ascend_headers.c. */
 #ifndef FSDPTURBO_ASCEND_ACL_H
 #define FSDPTURBO_ASCEND_ACL_H

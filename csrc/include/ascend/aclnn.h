@@ -1,8 +1,7 @@
 /* Minimal aclnn declarations used by libfsdpturbo: the tensor/list constructors and grouped
  * matmul (libopapi.so and the op-plugin search order) and the executor destructor
  * (libnnopbase.so), quoted from op-plugin op_plugin/utils/op_api_common_base.h and
- * hicann/ops-transformer gmm/, moe/ and mc2/ op_host/op_api/ headers as recorded in
- * shared/reference/abi-and-apis.md §6. Checked by tests/c/test_ascend_headers.c. */
+ * hicann/ops-transformer gmm/, moe/ and mc2/ op_host/op_api/ headers. Checked by tests/c/test_ascend_headers.c. */
 #ifndef FSDPTURBO_ASCEND_ACLNN_H
 #define FSDPTURBO_ASCEND_ACLNN_H
 

@@ -1,7 +1,6 @@
 /* Minimal HCCL declarations used by libfsdpturbo (hand-written; no CANN headers are needed to
  * build). Every value and signature is quoted from Ascend/pytorch
- * third_party/hccl/inc/hccl/{hccl_types.h,hccl.h} @9e73e70 as recorded in
- * shared/reference/abi-and-apis.md §5.1-§5.2. Checked by tests/c/test_ascend_headers.c. */
+ * third_party/hccl/inc/hccl/{hccl_types.h,hccl.h} @9e73e70. Checked by tests/c/test_ascend_headers.c. */
 #ifndef FSDPTURBO_ASCEND_HCCL_H
 #define FSDPTURBO_ASCEND_HCCL_H
 

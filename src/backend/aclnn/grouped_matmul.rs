@@ -1,5 +1,5 @@
 //! Grouped matmul (`aclnnGroupedMatmulV5`, or V4 where V5 is absent: op-plugin's probe) with
-//! per-group counts, abi-and-apis.md §6.4.
+//! per-group counts (ops-transformer's gmm/ docs).
 
 use std::ffi::c_void;
 

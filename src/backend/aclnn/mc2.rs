@@ -1,5 +1,5 @@
 //! MC2: all-to-all-v fused with grouped matmul over a named HCCL communicator
-//! (`aclnnAlltoAllvGroupedMatMul`, `aclnnGroupedMatMulAlltoAllv`; abi-and-apis.md §6.6). The
+//! (`aclnnAlltoAllvGroupedMatMul`, `aclnnGroupedMatMulAlltoAllv`; ops-transformer's mc2/ docs). The
 //! shared-expert matmul and the device count tensors are not used (NULL).
 
 use std::ffi::CStr;

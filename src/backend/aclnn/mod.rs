@@ -1,5 +1,5 @@
 //! aclnn operators (`libopapi.so` and friends) and the executor destructor (`libnnopbase.so`),
-//! loaded at run time. Signatures from `csrc/include/ascend/aclnn.h` (abi-and-apis.md §6). This
+//! loaded at run time. Signatures from `csrc/include/ascend/aclnn.h` (ops-transformer's op_api headers). This
 //! module loads the libraries and owns the descriptors and the two-phase protocol; the operators
 //! are in [`grouped_matmul`], [`moe`] (token permute/unpermute) and [`mc2`] (all-to-all-v fused
 //! with grouped matmul).

@@ -1,5 +1,5 @@
 //! MoE token permute and unpermute (`aclnnMoeTokenPermute` / `aclnnMoeTokenUnpermute`, paddedMode
-//! false), abi-and-apis.md §6.5. Their `sortedIndices` (INT32) maps every flat (token, k) slot to
+//! false), per ops-transformer's moe/ docs. Their `sortedIndices` (INT32) maps every flat (token, k) slot to
 //! its row of the permuted tokens.
 
 use super::{Aclnn, AclnnStatus, AclrtStream, Executor, IntArray, Tensor, View, Workspace};

@@ -1,4 +1,4 @@
-"""Applying `kernel_config` to a model (reference `seed-semantics.md` §1.5): the
+"""Applying `kernel_config` to a model (as the seed and LlamaFactory define it, docs/kernels.md): the
 flash-linear-attention kernels installed on every module that has the HF attribute.
 
 `apply_kernels(model, kernel_config, device_type=None)` validates the configuration with the

@@ -1,11 +1,11 @@
-"""Placement-aware gradient norm and clipping across meshes (DESIGN.md §4.2).
+"""Placement-aware gradient norm and clipping across meshes (docs/design.md §4.2).
 
 A model trained with FSDPTurbo holds gradients on several meshes at once: plain tensors
 (replicated everywhere), FSDP2 DTensors on the dp mesh, expert DTensors on the ep mesh or on the
 2-D (efsdp, ep) mesh, DTensors replicated across cp. torch's own `clip_grad_norm_` cannot stack
 DTensors of different meshes, and the seed's hand-written version sums every local norm over
 every group (effectively the whole world), which counts replicas several times
-(seed-semantics §7.4). Here every gradient's local p-power sum is reduced over exactly the mesh
+(docs/seed.md). Here every gradient's local p-power sum is reduced over exactly the mesh
 dims on which it is sharded:
 
 * **Reduction set.** For a DTensor gradient, the process groups of the mesh dims on which it is
@@ -417,7 +417,7 @@ def clip_grad_norm_(parameters_or_module, max_norm, norm_type=2.0, error_if_nonf
 
 def warmup_grad_norm(model, max_norm=1.0):
     """Runs one placement-aware clip on zero gradients so that every communicator the grad norm
-    uses is created now rather than at the first step (seed-semantics §7.3): each
+    uses is created now rather than at the first step (as the seed does): each
     `requires_grad` parameter gets `zeros_like(param)` (a DTensor of zeros for DTensors), one
     `clip_grad_norm_(model, max_norm)` runs under no_grad, then every gradient is reset to None
     (also gradients that existed before). Collective: call on every rank."""

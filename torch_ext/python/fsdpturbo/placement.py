@@ -1,7 +1,7 @@
 """DTensor-exact weight slicing: which part of a full tensor a rank holds, loading a full
 checkpoint tensor into a (DTensor) parameter, and assembling the full tensor again.
 
-Slicing is torch DTensor's own (DESIGN.md §4.3): torch 2.15's
+Slicing is torch DTensor's own (docs/design.md §4.3): torch 2.15's
 `_compute_local_shape_and_global_offset`, uneven and empty shards (an empty shard's offset is
 the dim's size) and `_StridedShard` included. The rule and the copy plans come from the Rust
 core through the `torch.ops.fsdpturbo` ops (`local_shape_and_offset`, `copy_slice_`,

@@ -25,12 +25,13 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from .progress import Progress
+from .safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain, plain_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,9 @@ class _SavePlanner(DefaultSavePlanner):
         return data
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, advancing a progress bar as tensors arrive."""
+class _LoadPlanner(SafeLoadPlanner):
+    """DCP's load planner (non-tensor entries read without code), advancing a progress bar as
+    tensors arrive."""
 
     def __init__(self, bar):
         super().__init__()
@@ -113,11 +115,13 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 def _rng_state():
+    """This rank's RNG states as tensors and plain values (NumPy's key array as a tensor)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        name, key, *rest = numpy.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(key.astype(numpy.int64)), *rest)
     except ImportError:
         pass
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -132,7 +136,8 @@ def _set_rng_state(state):
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        name, key, *rest = state["numpy"]
+        numpy.random.set_state((name, key.numpy().astype(numpy.uint32), *rest))
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is not None and accelerator.type in state:
         torch.get_device_module(accelerator.type).set_rng_state(state[accelerator.type])
@@ -182,6 +187,7 @@ def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
     path = os.fspath(path)
     partial = path + ".partial"
     if _rank() == 0:
+        extra_bytes = plain_bytes(_plain(extra), "extra")
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(os.path.join(partial, "rng"))
     _barrier()
@@ -191,7 +197,8 @@ def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
     torch.save(_rng_state(), os.path.join(partial, "rng", f"rank{_rank()}.pt"))
     step = (extra or {}).get("step")
     if _rank() == 0:
-        torch.save(_plain(extra), os.path.join(partial, "extra.pt"))
+        with open(os.path.join(partial, "extra.pt"), "wb") as f:
+            f.write(extra_bytes)
         with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "version": _library_version(), "world_size": _world(),
                        "layout": _layout(), "optimizer": optimizer is not None,
@@ -280,7 +287,7 @@ def _check_against(state, directory, what):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(directory).read_metadata()
+    metadata = SafeFileSystemReader(directory).read_metadata()
     stored = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state)
     missing, wrong = [], []
@@ -333,7 +340,8 @@ def _read(parts, path):
     with Progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
             _on_every_rank("loading the checkpoint", path):
         for state, directory, _ in parts:
-            dcp.load(state, checkpoint_id=directory, planner=_LoadPlanner(bar), no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=_LoadPlanner(bar),
+                     no_dist=not dist.is_initialized())
 
 
 def load_model_weights(model, path):
@@ -386,13 +394,14 @@ def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
         set_optimizer_state_dict(model, optimizer, optim_state, options=_OPTIONS)
     if manifest is None:  # LlamaFactory's: model and optimizer only
         return {}
-    saved = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    saved = load_plain(os.path.join(path, "extra.pt"), repr(os.path.join(path, "extra.pt")))
     for key, target in (extra or {}).items():
         if hasattr(target, "load_state_dict") and key in saved:
             target.load_state_dict(saved[key])
     if restore_rng:
         if manifest.get("world_size") == _world():
-            _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{_rank()}.pt"), weights_only=False))
+            rng = os.path.join(path, "rng", f"rank{_rank()}.pt")
+            _set_rng_state(load_plain(rng, repr(rng)))
         elif _rank() == 0:
             logger.warning("fsdpturbo: checkpoint %s was saved on %s ranks, this run has %d: RNG states are not "
                            "restored", path, manifest.get("world_size"), _world())

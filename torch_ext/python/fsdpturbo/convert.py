@@ -26,11 +26,12 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import hf_layout
 from .progress import Progress
+from .safe_load import SafeFileSystemReader, SafeLoadPlanner
 from .weights import checkpoint_files
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ def _entry(tensor):
     return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "sha256": _digest(tensor)}
 
 
-class _CachedReader(FileSystemReader):
-    """A DCP reader that reads the metadata once for the many one-tensor loads."""
+class _CachedReader(SafeFileSystemReader):
+    """A DCP reader (metadata read without code) that reads the metadata once for the many
+    one-tensor loads."""
 
     def read_metadata(self):
         if not hasattr(self, "_metadata"):
@@ -91,7 +93,7 @@ class _DcpTensors:
     def read(self, name):
         meta = self.meta[name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load({name: tensor}, storage_reader=self.reader, no_dist=True)
+        dcp.load({name: tensor}, storage_reader=self.reader, planner=SafeLoadPlanner(), no_dist=True)
         return tensor
 
 

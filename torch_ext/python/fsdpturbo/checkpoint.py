@@ -12,10 +12,12 @@ A checkpoint is a directory:
 `model/` and `optimizer/` are exactly what LlamaFactory's fsdp2 `save_checkpoint` writes, so
 either side loads the other's checkpoints. DCP stores every tensor with its global shape and
 reshards on load: a checkpoint saved at one (ep, efsdp, edp, cp, world size) loads at any other
-the model allows, ep = 1 included. A save goes to `<path>.partial` and is renamed into place
-only once every rank has written, so a crash mid-save leaves the previous checkpoint intact.
+the model allows, ep = 1 included. A save goes to a directory of its own (`fsdpturbo.staging`)
+and is renamed into place only once every rank has written and it is on disk, so a crash
+mid-save leaves the previous checkpoint intact; only a checkpoint is replaced.
 """
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from .progress import Progress
 from .safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain, plain_bytes
+from .staging import check_target, new_staging, normalised, replace, write_synced
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class CheckpointError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _on_every_rank(action, path):
+def dcp_failures(action, path):
     """DCP reports a failure on any rank as a `CheckpointException` on every rank, which is a
     BaseException (an `except Exception` misses it): re-raised as a CheckpointError naming
     each rank's cause."""
@@ -159,70 +162,120 @@ def _layout():
 
 class AsyncCheckpoint:
     """A save in progress (`save_checkpoint(..., async_save=True)`). `wait()` is collective:
-    every rank calls it; it returns once the checkpoint is complete and in place."""
+    every rank calls it; it returns once the checkpoint is complete and in place, or raises
+    (again on a second call) why it is not."""
 
-    def __init__(self, path, futures, finish):
-        self._path = path
-        self._futures = futures
-        self._finish = finish
+    def __init__(self, save, futures):
+        self._save, self._futures, self._outcome = save, futures, None
+        _PENDING[save.path] = self
 
     def wait(self):
-        with _on_every_rank("saving the checkpoint", self._path):
-            for future in self._futures:
-                future.result()
-        self._futures = []
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
+        if self._outcome is None:
+            try:
+                with dcp_failures("saving the checkpoint", self._save.path):
+                    for future in self._futures:
+                        future.result()
+                self._save.finish()
+                self._outcome = True
+            except BaseException as e:
+                self._save.abandon()
+                self._outcome = e
+                raise
+            finally:
+                if _PENDING.get(self._save.path) is self:
+                    del _PENDING[self._save.path]
+        if self._outcome is not True:
+            raise self._outcome
 
 
-def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
+_PENDING = {}  # path -> this process's AsyncCheckpoint to it that is not waited for yet
+_CHECKPOINT = "a checkpoint (a directory holding fsdpturbo.json or model/.metadata)"
+
+
+def _is_checkpoint(directory):
+    return os.path.isfile(os.path.join(directory, MANIFEST)) or \
+        os.path.isfile(os.path.join(directory, "model", ".metadata"))
+
+
+class _Save:
+    """One save's staging directory (its own, next to `path`) and how it ends."""
+
+    def __init__(self, path, staging):
+        self.path, self.staging = path, staging
+
+    def finish(self):
+        """Every rank's writes are done: the staging directory replaces `path`."""
+        _barrier()
+        if _rank() == 0:
+            replace(self.staging, self.path, ours=_is_checkpoint, hint=_CHECKPOINT)
+        _barrier()
+
+    def abandon(self):
+        if _rank() == 0:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _from_rank0(value):
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False, overwrite=False):
     """Saves a training checkpoint of `model` (sharded by `shard_model` or any FSDP2/DTensor
-    model) and `optimizer` (None: weights only) to the directory `path`. `extra`: a dict the
-    caller gets back from `load_checkpoint`; values with a `state_dict()` (LR scheduler, data
-    loader) are saved through it. Each rank's RNG states are saved too. Collective. An existing
-    checkpoint at `path` is replaced only once the new one is complete. With `async_save=True`
-    the tensors are staged to CPU and written in the background: returns an `AsyncCheckpoint`
-    whose `wait()` (collective) completes it; otherwise returns None when done."""
-    path = os.fspath(path)
-    partial = path + ".partial"
+    model) and `optimizer` (None: weights only) to the directory `path`. `extra`: a dict of
+    tensors and plain values the caller gets back from `load_checkpoint`; values with a
+    `state_dict()` (LR scheduler, data loader) are saved through it. Each rank's RNG states are
+    saved too. Collective. The save is staged in a directory of its own next to `path` and an
+    existing checkpoint at `path` is replaced only once the new one is complete and on disk;
+    a `path` that holds anything but a checkpoint is not replaced (FileExistsError) unless
+    `overwrite=True`. A save to a path with an asynchronous save pending first waits for it.
+    With `async_save=True` the tensors are staged to CPU and written in the background:
+    returns an `AsyncCheckpoint` whose `wait()` (collective) completes it; otherwise returns
+    None when done."""
+    path = normalised(path)
+    if path in _PENDING:
+        logger.info("fsdpturbo: waiting for the asynchronous save to %s before saving there again", path)
+        _PENDING[path].wait()
+    staging = None
     if _rank() == 0:
         extra_bytes = plain_bytes(_plain(extra), "extra")
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(os.path.join(partial, "rng"))
-    _barrier()
+        check_target(path, ours=_is_checkpoint, overwrite=overwrite, hint=_CHECKPOINT)
+        staging = new_staging(path)
+        os.mkdir(os.path.join(staging, "rng"))
+    save = _Save(path, _from_rank0(staging))
+    try:
+        return _write(save, model, optimizer, extra, async_save, extra_bytes if _rank() == 0 else None)
+    except BaseException:
+        save.abandon()
+        raise
+
+
+def _write(save, model, optimizer, extra, async_save, extra_bytes):
     states = {"model": get_model_state_dict(model, options=_OPTIONS)}
     if optimizer is not None:
         states["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
-    torch.save(_rng_state(), os.path.join(partial, "rng", f"rank{_rank()}.pt"))
-    step = (extra or {}).get("step")
+    write_synced(os.path.join(save.staging, "rng", f"rank{_rank()}.pt"), plain_bytes(_rng_state(), "the RNG states"))
     if _rank() == 0:
-        with open(os.path.join(partial, "extra.pt"), "wb") as f:
-            f.write(extra_bytes)
-        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "version": _library_version(), "world_size": _world(),
-                       "layout": _layout(), "optimizer": optimizer is not None,
-                       "step": step if isinstance(step, int) else None},
-                      f, indent=1)
-
-    def finish():
-        _barrier()  # every rank's DCP writes are done
-        if _rank() == 0:
-            _replace(partial, path)
-        _barrier()
-
+        step = (extra or {}).get("step")
+        write_synced(os.path.join(save.staging, "extra.pt"), extra_bytes)
+        write_synced(os.path.join(save.staging, MANIFEST), json.dumps(
+            {"format": FORMAT, "version": _library_version(), "world_size": _world(), "layout": _layout(),
+             "optimizer": optimizer is not None, "step": step if isinstance(step, int) else None}, indent=1).encode())
     if async_save:
         groups = _background_groups(len(states))
-        futures = [dcp.async_save(state, checkpoint_id=os.path.join(partial, name), process_group=group,
+        futures = [dcp.async_save(state, checkpoint_id=os.path.join(save.staging, name), process_group=group,
                                   no_dist=not dist.is_initialized())
                    for (name, state), group in zip(states.items(), groups)]
-        return AsyncCheckpoint(path, futures, finish)
+        return AsyncCheckpoint(save, futures)
     total = sum(_tensor_bytes(s) for s in states.values())
-    with Progress(total, f"saving {path}") as bar, _on_every_rank("saving the checkpoint", path):
+    with Progress(total, f"saving {save.path}") as bar, dcp_failures("saving the checkpoint", save.path):
         for name, state in states.items():
-            dcp.save(state, checkpoint_id=os.path.join(partial, name), planner=_SavePlanner(bar),
+            dcp.save(state, checkpoint_id=os.path.join(save.staging, name), planner=_SavePlanner(bar),
                      no_dist=not dist.is_initialized())
-    finish()
+    save.finish()
     return None
 
 
@@ -240,17 +293,6 @@ def _background_groups(count):
     return _BACKGROUND_GROUPS[:count]
 
 
-def _replace(new, path):
-    """Moves the complete checkpoint `new` to `path`; an old checkpoint there is moved aside
-    first and deleted last, so at every instant one complete checkpoint exists."""
-    old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(new, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _library_version():
     from ._native import ops
 
@@ -260,14 +302,15 @@ def _library_version():
 def _resolve(path):
     """The checkpoint directory to read: `path`, or when a save was interrupted between its two
     renames, the previous checkpoint it had moved aside (`<path>.old`)."""
-    path = os.fspath(path)
+    path = normalised(path)
     if not os.path.isdir(path) and os.path.isfile(os.path.join(path + ".old", "model", ".metadata")):
         logger.warning("fsdpturbo: %s is missing; loading the previous checkpoint %s.old (a save was interrupted "
                        "while replacing it)", path, path)
         return path + ".old"
     if not os.path.isfile(os.path.join(path, "model", ".metadata")):
         what = "does not exist" if not os.path.exists(path) else "holds no model/.metadata"
-        hint = f" ({path}.partial is an interrupted save)" if os.path.isdir(path + ".partial") else ""
+        interrupted = glob.glob(glob.escape(path) + ".partial-*")
+        hint = f" ({interrupted[0]} is an interrupted save)" if interrupted else ""
         raise FileNotFoundError(f"fsdpturbo: checkpoint {path!r} {what}{hint}; expected a directory written by "
                                 f"fsdpturbo.save_checkpoint (model/ and optimizer/ DCP checkpoints)")
     return path
@@ -312,10 +355,10 @@ def _check_against(state, directory, what):
     unused = sorted(set(stored) - set(flat))
     if unused:
         logger.info("fsdpturbo: %d tensors of %s are not used by the %s: %s", len(unused), directory, what, unused[:8])
-    _check_file_sizes(metadata, directory)
+    check_file_sizes(metadata, directory)
 
 
-def _check_file_sizes(metadata, directory):
+def check_file_sizes(metadata, directory):
     extents = {}
     for index, info in (metadata.storage_data or {}).items():
         extents.setdefault(info.relative_path, []).append((info.offset + info.length, index.fqn))
@@ -338,7 +381,7 @@ def _read(parts, path):
     for state, directory, what in parts:
         _check_against(state, directory, what)
     with Progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
-            _on_every_rank("loading the checkpoint", path):
+            dcp_failures("loading the checkpoint", path):
         for state, directory, _ in parts:
             dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=_LoadPlanner(bar),
                      no_dist=not dist.is_initialized())

@@ -100,7 +100,7 @@ class _DcpTensors:
     def read(self, name):
         meta = self.meta[name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        with dcp_failures(f"reading {name!r} of", self.directory):
+        with dcp_failures(f"reading {name!r} of {self.directory!r}"):
             dcp.load({name: tensor}, storage_reader=self.reader, planner=SafeLoadPlanner(), no_dist=True)
         return tensor
 

@@ -11,6 +11,7 @@ dim 0; `…experts.{e}.down_proj.weight`), the layout of the Qwen MoE families.
 import bisect
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import math
@@ -94,6 +95,42 @@ def _file_error(path, err):
     return type(err)(message, err.status) if isinstance(err, FsdpturboError) else type(err)(message)
 
 
+def _header_bytes(fd):
+    """The bytes of a safetensors file before its data section (the 8-byte length and the JSON
+    header), as many as its length says within the format's limit; a short file gives fewer (the
+    parser names the bytes needed and given)."""
+    from . import _native
+
+    prefix = os.pread(fd, 8, 0)
+    need = ctypes.c_uint64(0)
+    _native.check(_native.lib.fsdpturbo_safetensors_header_size(prefix, len(prefix), ctypes.byref(need)))
+    return os.pread(fd, need.value, 0)
+
+
+_SAMPLE = 1 << 20  # bytes of data hashed at each end of a file by `checkpoint_fingerprint`
+
+
+def checkpoint_fingerprint(path):
+    """What identifies the safetensors checkpoint at `path` for a cross-rank comparison, cheaply:
+    the path as given and, per file, its size, the SHA-256 of its header (every tensor's name,
+    dtype, shape and byte range) and of a sample of its data (the first and last MiB)."""
+    from ._native import FsdpturboError
+
+    files = {}
+    for file in checkpoint_files(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            size, header = os.fstat(fd).st_size, _header_bytes(fd)
+            sample = os.pread(fd, _SAMPLE, len(header)) + os.pread(fd, _SAMPLE, max(len(header), size - _SAMPLE))
+            files[os.path.basename(file)] = {"bytes": size, "header sha256": hashlib.sha256(header).hexdigest(),
+                                             "sample sha256": hashlib.sha256(sample).hexdigest()}
+        except FsdpturboError as e:
+            raise _file_error(file, e) from None
+        finally:
+            os.close(fd)
+    return {"path": os.path.normpath(os.fspath(path)), "files": files}
+
+
 class _File:
     """One safetensors file: its header, parsed and validated by the Rust core (offsets that tile
     the data section, sizes that match shapes, a file as long as its header says), and an open
@@ -107,11 +144,7 @@ class _File:
             size = os.fstat(self.fd).st_size
             if hasattr(os, "posix_fadvise"):  # no read-ahead: it would read the other ranks' bytes too
                 os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            prefix = os.pread(self.fd, 8, 0)
-            need = ctypes.c_uint64(0)
-            _native.check(_native.lib.fsdpturbo_safetensors_header_size(prefix, len(prefix), ctypes.byref(need)))
-            header = os.pread(self.fd, need.value, 0)
-            # A short header is reported by the parser (it names the bytes needed and given).
+            header = _header_bytes(self.fd)
             _native.check(_native.lib.fsdpturbo_safetensors_parse(header, len(header), size,
                                                                   ctypes.byref(self.handle)))
             info = json.loads(_native.string_out(_native.lib.fsdpturbo_safetensors_to_json, self.handle))

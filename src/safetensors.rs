@@ -27,7 +27,7 @@ use serde::Serialize;
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Escaped, Result, escaped};
 use crate::placement::{self, Placement};
 
 /// The largest header the format allows (the `safetensors` crate's limit).
@@ -189,30 +189,39 @@ impl<'de> Deserialize<'de> for Entries {
 }
 
 fn bad(name: &str, what: impl fmt::Display) -> Error {
-    Error::invalid(format!("tensor `{name}`: {what}"))
+    Error::invalid(format!("tensor `{}`: {what}", Escaped(name)))
 }
 
 fn as_u64s(name: &str, field: &str, value: &Value) -> Result<Vec<u64>> {
-    let items = value.as_array().ok_or_else(|| bad(name, format!("`{field}` is {value}, not an array")))?;
+    let items = value
+        .as_array()
+        .ok_or_else(|| bad(name, format!("`{field}` is {}, not an array", escaped(value))))?;
     items
         .iter()
         .enumerate()
         .map(|(i, v)| {
-            v.as_u64().ok_or_else(|| bad(name, format!("`{field}[{i}]` is {v}, not a non-negative integer")))
+            v.as_u64().ok_or_else(|| {
+                bad(name, format!("`{field}[{i}]` is {}, not a non-negative integer", escaped(v)))
+            })
         })
         .collect()
 }
 
 fn tensor_entry(name: &str, value: &Value) -> Result<TensorInfo> {
-    let fields =
-        value.as_object().ok_or_else(|| bad(name, format!("the entry is {value}, not an object")))?;
+    let fields = value
+        .as_object()
+        .ok_or_else(|| bad(name, format!("the entry is {}, not an object", escaped(value))))?;
     if let Some(unknown) = fields.keys().find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets")) {
-        return Err(bad(name, format!("unknown field `{unknown}`; accepted: dtype, shape, data_offsets")));
+        return Err(bad(
+            name,
+            format!("unknown field `{}`; accepted: dtype, shape, data_offsets", Escaped(unknown)),
+        ));
     }
     let field = |f: &str| fields.get(f).ok_or_else(|| bad(name, format!("the entry has no `{f}`")));
     let dtype_value = field("dtype")?;
-    let dtype_name =
-        dtype_value.as_str().ok_or_else(|| bad(name, format!("`dtype` is {dtype_value}, not a string")))?;
+    let dtype_name = dtype_value
+        .as_str()
+        .ok_or_else(|| bad(name, format!("`dtype` is {}, not a string", escaped(dtype_value))))?;
     let dtype = Dtype::parse(dtype_name).map_err(|e| bad(name, e.message))?;
     let shape = as_u64s(name, "shape", field("shape")?)?;
     let offsets = as_u64s(name, "data_offsets", field("data_offsets")?)?;
@@ -272,11 +281,15 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
         }
         if name == "__metadata__" {
             let object = value.as_object().ok_or_else(|| {
-                Error::invalid(format!("`__metadata__` is {value}, not an object of strings"))
+                Error::invalid(format!("`__metadata__` is {}, not an object of strings", escaped(value)))
             })?;
             for (k, v) in object {
                 let s = v.as_str().ok_or_else(|| {
-                    Error::invalid(format!("`__metadata__.{k}` is {v}; metadata values must be strings"))
+                    Error::invalid(format!(
+                        "`__metadata__.{}` is {}; metadata values must be strings",
+                        Escaped(k),
+                        escaped(v)
+                    ))
                 })?;
                 metadata.insert(k.clone(), s.to_string());
             }
@@ -295,7 +308,9 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
                 &t.name,
                 format!(
                     "`data_offsets` [{b}, {e}] overlap tensor `{}` at [{}, {}]",
-                    prev.name, prev.data_offsets.0, prev.data_offsets.1
+                    Escaped(&prev.name),
+                    prev.data_offsets.0,
+                    prev.data_offsets.1
                 ),
             ));
         }
@@ -303,7 +318,7 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
             let after = if i == 0 {
                 "the data section starts at 0".to_string()
             } else {
-                format!("the previous tensor `{}` ends at {end}", tensors[i - 1].name)
+                format!("the previous tensor `{}` ends at {end}", Escaped(&tensors[i - 1].name))
             };
             return Err(bad(
                 &t.name,
@@ -384,7 +399,9 @@ fn check_sources(sources: &[Source], layout: Layout, global_shape: &[u64]) -> Re
             &other.info.name,
             format!(
                 "its dtype {} differs from {} of `{}`; the tensors of one stack must share a dtype",
-                other.info.dtype, first.info.dtype, first.info.name
+                other.info.dtype,
+                first.info.dtype,
+                Escaped(&first.info.name)
             ),
         ));
     }
@@ -504,8 +521,9 @@ pub fn read_plan(
     placements: &[Placement],
 ) -> Result<ReadPlan> {
     let dtype = check_sources(sources, layout, global_shape)?;
-    let plan = placement::copy_plan(global_shape, mesh_shape, coordinate, placements)
-        .map_err(|e| Error::new(e.kind, format!("tensor `{}`: {}", sources[0].info.name, e.message)))?;
+    let plan = placement::copy_plan(global_shape, mesh_shape, coordinate, placements).map_err(|e| {
+        Error::new(e.kind, format!("tensor `{}`: {}", Escaped(&sources[0].info.name), e.message))
+    })?;
     let esize = dtype.bits() / 8;
     let local_bytes = plan.local_numel().checked_mul(esize).ok_or_else(|| {
         Error::new(

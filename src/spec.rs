@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Escaped, Result, escaped};
 
 /// What the seed's `FSDPTurboEPModelSpec` holds for one model type.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -80,7 +80,8 @@ impl SpecRegistry {
             Error::new(
                 ErrorKind::Plan,
                 format!(
-                    "No FSDPTurbo EP spec is registered for model_type={model_type}. Registered: [{}]",
+                    "No FSDPTurbo EP spec is registered for model_type={}. Registered: [{}]",
+                    Escaped(model_type),
                     self.model_types().join(", ")
                 ),
             )
@@ -148,8 +149,9 @@ pub fn model_tree_from_config(config: &Value) -> Result<ModelTree> {
         other => Err(Error::new(
             ErrorKind::Plan,
             format!(
-                "config.json: no module-tree builder for model_type={other}; \
-                 the built-in families are qwen3_moe and qwen3_5_moe"
+                "config.json: no module-tree builder for model_type={}; \
+                 the built-in families are qwen3_moe and qwen3_5_moe",
+                Escaped(other)
             ),
         )),
     }
@@ -167,9 +169,9 @@ impl ConfigValues<'_> {
     }
     fn uint(&self, key: &str) -> Result<u64> {
         match self.values.get(key) {
-            Some(v) => {
-                v.as_u64().ok_or_else(|| self.error(key, &format!("must be a non-negative integer, got {v}")))
-            }
+            Some(v) => v.as_u64().ok_or_else(|| {
+                self.error(key, &format!("must be a non-negative integer, got {}", escaped(v)))
+            }),
             None => Err(self.error(key, "is missing (needed to build the module tree)")),
         }
     }
@@ -188,7 +190,9 @@ impl ConfigValues<'_> {
     fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.values.get(key) {
             None | Some(Value::Null) => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| self.error(key, &format!("must be true or false, got {v}"))),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(key, &format!("must be true or false, got {}", escaped(v)))),
         }
     }
     fn uint_list_or_empty(&self, key: &str) -> Result<Vec<u64>> {
@@ -196,9 +200,12 @@ impl ConfigValues<'_> {
             None | Some(Value::Null) => Ok(Vec::new()),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_u64().ok_or_else(|| self.error(key, &format!("must hold integers, got {v}"))))
+                .map(|v| {
+                    v.as_u64()
+                        .ok_or_else(|| self.error(key, &format!("must hold integers, got {}", escaped(v))))
+                })
                 .collect(),
-            Some(v) => Err(self.error(key, &format!("must be a list of integers, got {v}"))),
+            Some(v) => Err(self.error(key, &format!("must be a list of integers, got {}", escaped(v)))),
         }
     }
 }

@@ -76,6 +76,6 @@ def test_incomplete_per_expert_weights_are_named(tmp_path):
     del tensors["model.layers.0.mlp.experts.1.up_proj.weight"]
     (tmp_path / "hf").mkdir()
     save_file(tensors, tmp_path / "hf" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight is missing"):
+    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight' is missing"):
         convert.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
     assert convert.main(["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1

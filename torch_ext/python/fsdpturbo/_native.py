@@ -79,10 +79,11 @@ class FsdpturboKeyError(FsdpturboError, KeyError):
 
 
 def last_error():
+    """The library's last error on this thread, whole (`buf.value` would stop at a NUL)."""
     n = lib.fsdpturbo_last_error(None, 0)
     buf = ctypes.create_string_buffer(n + 1)
-    lib.fsdpturbo_last_error(buf, n + 1)
-    return buf.value.decode("utf-8", "replace")
+    n = min(n, lib.fsdpturbo_last_error(buf, n + 1))
+    return buf.raw[:n].decode("utf-8", "replace")
 
 
 def check(status):
@@ -97,14 +98,18 @@ def check(status):
 
 
 def string_out(fn, *args):
-    """Calls a `(..., char *buf, size_t cap, size_t *out_len)` function twice: size, then text."""
-    needed = ctypes.c_size_t(0)
-    status = fn(*args, None, 0, ctypes.byref(needed))
-    if status not in (OK, BUFFER_TOO_SMALL):
+    """Calls a `(..., char *buf, size_t cap, size_t *out_len)` function: size, then text, again
+    while the text grew in between (a registration on another thread)."""
+    capacity = 0
+    while True:
+        buf = ctypes.create_string_buffer(capacity) if capacity else None
+        needed = ctypes.c_size_t(0)
+        status = fn(*args, buf, capacity, ctypes.byref(needed))
+        if status == BUFFER_TOO_SMALL and needed.value > capacity:
+            capacity = needed.value
+            continue
         check(status)
-    buf = ctypes.create_string_buffer(needed.value)
-    check(fn(*args, buf, needed.value, ctypes.byref(needed)))
-    return buf.value.decode("utf-8")
+        return buf.raw[:needed.value - 1].decode("utf-8")  # `needed` counts the NUL
 
 
 def u64_out(fn, *args, capacity=64):

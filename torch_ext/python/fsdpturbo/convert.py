@@ -194,7 +194,7 @@ def _write_hf(source, checkpoint, out, config, max_shard_bytes, per_expert, chec
         meta = source.meta[name]
         dtype = meta.properties.dtype
         if dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"fsdpturbo convert: {name} has dtype {dtype}, which safetensors cannot hold")
+            raise ValueError(f"fsdpturbo convert: {name!r} has dtype {dtype}, which safetensors cannot hold")
         for key, piece in pieces(name, torch.empty(meta.size, dtype=dtype, device="meta")):
             entries.append((key, dtype, tuple(piece.shape), piece.numel() * dtype.itemsize))
             owner[key] = name
@@ -318,7 +318,7 @@ def verify(out):
             tensor = read(name)
             got = _entry(tensor)
             if got != expected[name]:
-                raise ValueError(f"fsdpturbo convert: {name} in {out!r} does not match the manifest: read {got}, "
+                raise ValueError(f"fsdpturbo convert: {name!r} in {out!r} does not match the manifest: read {got}, "
                                  f"written {expected[name]}")
             bar.update(tensor.numel() * tensor.element_size())
     return len(expected)

@@ -41,7 +41,7 @@ def fuse(keys):
             rows = per_expert_keys(f"{prefix}.{leaf}", max(indices) + 1)
             missing = [k for row in rows for k in row if k not in present]
             if missing:
-                raise ValueError(f"fsdpturbo: the per-expert weights of {prefix} are incomplete: {missing[0]} is "
+                raise ValueError(f"fsdpturbo: the per-expert weights of {prefix!r} are incomplete: {missing[0]!r} is "
                                  f"missing ({len(missing)} keys in all)")
             fused[f"{prefix}.{leaf}"] = rows
     return fused

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import stat
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,9 @@ def meta_parameters():
 
 def checkpoint_files(path):
     """The safetensors files of a checkpoint: `path` itself, or in a directory the files of
-    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`."""
+    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`. Each is
+    a regular file (not a FIFO or a device, which would block or never end); an index may name
+    only files inside the directory (ValueError for `../x` or an absolute path)."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return [path]
@@ -60,15 +63,42 @@ def checkpoint_files(path):
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
-            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [_inside(path, name, index) for name in names]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    files = sorted(_inside(path, n, path) for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"fsdpturbo: no .safetensors file in {path!r} (only safetensors checkpoints "
                                 f"are read)")
     return files
+
+
+def _inside(directory, name, where):
+    """The file `name` of the checkpoint `directory`, as `where` names it: a relative path that
+    stays inside the directory (no `..` part) of a regular file. A link inside it may point
+    elsewhere (the Hugging Face cache links each file to its blob)."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.split("/") \
+            or ".." in name.split(os.sep):
+        raise ValueError(f"fsdpturbo: {where!r} names the file {name!r}, which is not inside {directory!r}; a "
+                         f"checkpoint's files must be in its directory")
+    file = os.path.join(directory, name)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"fsdpturbo: {where!r} names the file {name!r}, which does not exist")
+    if not os.path.isfile(file):
+        raise ValueError(f"fsdpturbo: {where!r} names the file {name!r}, which is not a regular file")
+    return file
+
+
+def _open_regular(path):
+    """A read-only descriptor of the regular file `path`: opened without blocking (a FIFO would
+    wait for a writer) and checked before anything is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"fsdpturbo: checkpoint file {path!r} is not a regular file")
+    return fd
 
 
 _TORCH_DTYPES = {  # safetensors dtype names -> torch dtype attribute names (those this torch has)
@@ -118,7 +148,7 @@ def checkpoint_fingerprint(path):
 
     files = {}
     for file in checkpoint_files(path):
-        fd = os.open(file, os.O_RDONLY)
+        fd = _open_regular(file)
         try:
             size, header = os.fstat(fd).st_size, _header_bytes(fd)
             sample = os.pread(fd, _SAMPLE, len(header)) + os.pread(fd, _SAMPLE, max(len(header), size - _SAMPLE))
@@ -139,7 +169,7 @@ class _File:
     def __init__(self, path):
         from . import _native
 
-        self.path, self.fd, self.handle = path, os.open(path, os.O_RDONLY), ctypes.c_void_p()
+        self.path, self.fd, self.handle = path, _open_regular(path), ctypes.c_void_p()
         try:
             size = os.fstat(self.fd).st_size
             if hasattr(os, "posix_fadvise"):  # no read-ahead: it would read the other ranks' bytes too

@@ -105,6 +105,10 @@
 // Placement kind: torch `Partial()`.
 #define FSDPTURBO_PLACEMENT_PARTIAL 3
 
+// The most experts one EP module may have: a larger count is a plan error, and the
+// checkpoint converter refuses per-expert keys numbered beyond it.
+#define FSDPTURBO_MAX_EXPERTS 65536
+
 // Parameter roles (fsdpturbo_plan_param_role).
 #define FSDPTURBO_PARAM_EXPERT 0
 

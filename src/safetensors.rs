@@ -24,14 +24,25 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use serde::Serialize;
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::error::{Error, ErrorKind, Escaped, Result, escaped};
 use crate::placement::{self, Placement};
 
 /// The largest header the format allows (the `safetensors` crate's limit).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The most tensors one file's header may hold: far above any real file (a shard of a few GB
+/// holds thousands), low enough that a header's parsed form stays within a few hundred MB.
+pub const MAX_TENSORS: usize = 1 << 18;
+/// The most dims a tensor may have (torch's limit).
+pub const MAX_DIMS: usize = 64;
+/// The most JSON bytes of one tensor entry: one of at most 64 dims needs about 1.4 KB, so the
+/// entry parsed alone costs little.
+pub const MAX_ENTRY_BYTES: usize = 1 << 16;
+/// The most JSON bytes of `__metadata__`.
+pub const MAX_METADATA_BYTES: usize = 16 << 20;
 
 /// The element types of the format: `(name, bits per element)`.
 const DTYPES: &[(&str, u64)] = &[
@@ -165,27 +176,50 @@ pub fn header_size(prefix: &[u8]) -> Result<u64> {
     Ok(8 + n)
 }
 
-/// The JSON object's entries in file order, duplicates kept (serde_json's maps drop them).
-struct Entries(Vec<(String, Value)>);
+/// The JSON object's entries in file order, duplicates kept (serde_json's maps drop them), each
+/// value as its raw JSON text (parsed one at a time once its size is checked). Past
+/// `MAX_TENSORS + 1` entries (the tensors and `__metadata__`) the rest are only counted.
+struct Entries<'a> {
+    kept: Vec<(String, &'a RawValue)>,
+    count: usize,
+}
 
-impl<'de> Deserialize<'de> for Entries {
+impl<'de> Deserialize<'de> for Entries<'de> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Entries;
+            type Value = Entries<'de>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object of tensor entries")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, Value>()? {
-                    out.push((k, v));
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries<'de>, A::Error> {
+                let mut entries = Entries { kept: Vec::new(), count: 0 };
+                while entries.kept.len() <= MAX_TENSORS {
+                    let Some(entry) = map.next_entry::<String, &RawValue>()? else { return Ok(entries) };
+                    entries.kept.push(entry);
+                    entries.count += 1;
                 }
-                Ok(Entries(out))
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
+                    entries.count += 1;
+                }
+                Ok(entries)
             }
         }
         deserializer.deserialize_map(V)
     }
+}
+
+/// The value of one entry, parsed once its raw JSON is known to be at most `limit` bytes.
+fn entry_value(raw: &RawValue, limit: usize, too_big: impl FnOnce(usize) -> Error) -> Result<Value> {
+    if raw.get().len() > limit {
+        return Err(too_big(raw.get().len()));
+    }
+    serde_json::from_str(raw.get())
+        .map_err(|e| Error::invalid(format!("an entry of the header is not JSON: {e}")))
+}
+
+fn out_of_memory(tensors: usize) -> Error {
+    Error::invalid(format!("the header's {tensors} tensors do not fit in memory"))
 }
 
 fn bad(name: &str, what: impl fmt::Display) -> Error {
@@ -224,6 +258,12 @@ fn tensor_entry(name: &str, value: &Value) -> Result<TensorInfo> {
         .ok_or_else(|| bad(name, format!("`dtype` is {}, not a string", escaped(dtype_value))))?;
     let dtype = Dtype::parse(dtype_name).map_err(|e| bad(name, e.message))?;
     let shape = as_u64s(name, "shape", field("shape")?)?;
+    if shape.len() > MAX_DIMS {
+        return Err(bad(
+            name,
+            format!("its shape has {} dims, more than the limit of {MAX_DIMS}", shape.len()),
+        ));
+    }
     let offsets = as_u64s(name, "data_offsets", field("data_offsets")?)?;
     let &[begin, end] = offsets.as_slice() else {
         return Err(bad(name, format!("`data_offsets` has {} entries; give [begin, end]", offsets.len())));
@@ -269,17 +309,31 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
             bytes.len()
         ))
     })?;
-    let Entries(entries) = serde_json::from_slice(json).map_err(|e| {
+    let entries: Entries = serde_json::from_slice(json).map_err(|e| {
         Error::invalid(format!("the header is not a valid JSON object of tensor entries: {e}"))
     })?;
+    let tensor_count =
+        entries.count - usize::from(entries.kept.iter().any(|(name, _)| name == "__metadata__"));
+    if tensor_count > MAX_TENSORS {
+        return Err(Error::invalid(format!(
+            "the header holds {tensor_count} tensors, more than the limit of {MAX_TENSORS} per file"
+        )));
+    }
     let mut tensors = Vec::new();
+    tensors.try_reserve_exact(tensor_count).map_err(|_| out_of_memory(tensor_count))?;
     let mut metadata = BTreeMap::new();
     let mut seen = HashMap::new();
-    for (name, value) in &entries {
+    seen.try_reserve(entries.kept.len()).map_err(|_| out_of_memory(tensor_count))?;
+    for (name, raw) in &entries.kept {
         if seen.insert(name.as_str(), ()).is_some() {
             return Err(bad(name, "the header names it twice"));
         }
         if name == "__metadata__" {
+            let value = &entry_value(raw, MAX_METADATA_BYTES, |n| {
+                Error::invalid(format!(
+                    "`__metadata__` is {n} bytes of JSON, more than the limit of {MAX_METADATA_BYTES}"
+                ))
+            })?;
             let object = value.as_object().ok_or_else(|| {
                 Error::invalid(format!("`__metadata__` is {}, not an object of strings", escaped(value)))
             })?;
@@ -294,7 +348,10 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
                 metadata.insert(k.clone(), s.to_string());
             }
         } else {
-            tensors.push(tensor_entry(name, value)?);
+            let value = entry_value(raw, MAX_ENTRY_BYTES, |n| {
+                bad(name, format!("its entry is {n} bytes of JSON, more than the limit of {MAX_ENTRY_BYTES}"))
+            })?;
+            tensors.push(tensor_entry(name, &value)?);
         }
     }
     // The data section is tiled by the tensors in offset order, from 0, without holes or overlaps.

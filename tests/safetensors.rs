@@ -10,7 +10,10 @@ use fsdpturbo::ffi::placement::*;
 use fsdpturbo::ffi::safetensors::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::placement::{Placement, copy_plan};
-use fsdpturbo::safetensors::{Layout, MAX_HEADER_BYTES, Source, header_size, parse_header, read_plan};
+use fsdpturbo::safetensors::{
+    Layout, MAX_DIMS, MAX_ENTRY_BYTES, MAX_HEADER_BYTES, MAX_METADATA_BYTES, MAX_TENSORS, Source,
+    header_size, parse_header, read_plan,
+};
 
 use Placement::{Replicate, Shard};
 
@@ -99,6 +102,50 @@ fn refuses_bad_lengths_and_json() {
     assert!(e.contains("tensor `a`: the header names it twice"), "{e}");
     let e = err(&raw(r#"{"__metadata__": {"k": 1}}"#, 0), None);
     assert!(e.contains("`__metadata__.k` is 1"), "{e}");
+}
+
+/// A small header cannot make the parser do unbounded work: tensors per file, dims per tensor,
+/// bytes per entry and of the metadata are capped, each an error naming the limit.
+#[test]
+fn refuses_headers_beyond_the_limits() {
+    let many: Vec<String> = (0..=MAX_TENSORS)
+        .map(|i| entry(&format!("t{i}"), "U8", "[1]", &format!("[{i},{}]", i + 1)))
+        .collect();
+    let e = err(&raw(&format!("{{{}}}", many.join(",")), MAX_TENSORS + 1), None);
+    assert_eq!(
+        e,
+        format!(
+            "the header holds {} tensors, more than the limit of {MAX_TENSORS} per file",
+            MAX_TENSORS + 1
+        )
+    );
+    let at_the_limit = &many[..MAX_TENSORS];
+    assert_eq!(
+        parse_header(&raw(&format!("{{{}}}", at_the_limit.join(",")), MAX_TENSORS), None)
+            .unwrap()
+            .tensors
+            .len(),
+        MAX_TENSORS
+    );
+
+    let dims = format!("{:?}", vec![1u64; MAX_DIMS + 1]);
+    let e = err(&raw(&format!("{{{}}}", entry("w", "U8", &dims, "[0,1]")), 1), None);
+    assert_eq!(
+        e,
+        format!("tensor `w`: its shape has {} dims, more than the limit of {MAX_DIMS}", MAX_DIMS + 1)
+    );
+
+    let long = format!("[{}1]", "1,".repeat(MAX_ENTRY_BYTES / 2));
+    let e = err(&raw(&format!("{{{}}}", entry("w", "U8", &long, "[0,1]")), 1), None);
+    assert!(
+        e.starts_with("tensor `w`: its entry is ")
+            && e.ends_with(&format!("more than the limit of {MAX_ENTRY_BYTES}")),
+        "{e}"
+    );
+
+    let metadata = format!(r#"{{"__metadata__": {{"k": "{}"}}}}"#, "x".repeat(MAX_METADATA_BYTES));
+    let e = err(&raw(&metadata, 0), None);
+    assert!(e.ends_with(&format!("bytes of JSON, more than the limit of {MAX_METADATA_BYTES}")), "{e}");
 }
 
 #[test]

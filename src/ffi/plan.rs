@@ -32,6 +32,11 @@ impl fsdpturbo_plan_t {
     }
 }
 
+/// The most experts one EP module may have: a larger count is a plan error, and the
+/// checkpoint converter refuses per-expert keys numbered beyond it.
+pub const FSDPTURBO_MAX_EXPERTS: u64 = 65_536;
+const _: () = assert!(FSDPTURBO_MAX_EXPERTS == plan::MAX_EXPERTS);
+
 /// Parameter roles (fsdpturbo_plan_param_role).
 pub const FSDPTURBO_PARAM_EXPERT: i32 = 0;
 // 1 was FSDPTURBO_PARAM_EXPERT_FSDP: routers and shared experts are now DENSE (the outer FSDP2).

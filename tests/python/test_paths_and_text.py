@@ -124,3 +124,16 @@ def test_string_out_retries_when_the_text_grew_in_between():
         return _native.OK
 
     assert _native.string_out(text_out) == "grown between the two calls"
+
+
+def test_the_headers_of_a_checkpoint_have_a_budget(tmp_path, monkeypatch):
+    """Every header is parsed and kept while loading: their total is bounded (limit lowered here)."""
+    from fsdpturbo import load_hf_weights, weights
+
+    build_model("qwen3_moe").save_pretrained(tmp_path, max_shard_size="20KB")
+    sizes = [os.path.getsize(f) for f in weights.checkpoint_files(tmp_path)]
+    assert len(sizes) > 2
+    monkeypatch.setattr(weights, "MAX_HEADER_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"the headers of checkpoint .* hold \d+ bytes by .*, more than the limit "
+                                         r"of 1000"):
+        load_hf_weights(build_model("qwen3_moe"), tmp_path)

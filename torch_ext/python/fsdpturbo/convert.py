@@ -37,7 +37,7 @@ from .checkpoint import CheckpointError, check_file_sizes, dcp_failures
 from .progress import Progress
 from .safe_load import SafeFileSystemReader, SafeLoadPlanner
 from .staging import check_target, new_staging, normalised, replace
-from .weights import checkpoint_files
+from .weights import check_files, checkpoint_files
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +252,7 @@ def hf_to_dcp(hf_dir, out, *, per_expert=True, check=True, overwrite=False):
 def _write_dcp(hf_dir, out, per_expert, check):
     from safetensors import safe_open
 
+    check_files(hf_dir)
     handles = [safe_open(f, framework="pt") for f in checkpoint_files(hf_dir)]
     where = {key: h for h in handles for key in h.keys()}
     sources = hf_layout.fuse(list(where)) if per_expert else {k: k for k in where}
@@ -306,6 +307,7 @@ def verify(out):
         source = _DcpTensors(out)
         found, read = set(source.meta), source.read
     else:
+        check_files(out)
         handles = [safe_open(f, framework="pt") for f in checkpoint_files(out)]
         where = {key: h for h in handles for key in h.keys()}
         found, read = set(where), lambda key: where[key].get_tensor(key)

@@ -205,8 +205,12 @@ class _File:
             self.fd = None
 
 
+MAX_HEADER_BYTES = 128 << 20  # of all the headers of one checkpoint (real ones total a few MB)
+
+
 class _Checkpoint:
-    """The files of a checkpoint and the reads of each model tensor's local slice."""
+    """The files of a checkpoint and the reads of each model tensor's local slice. Every header
+    is parsed up front and kept: their total size is bounded by MAX_HEADER_BYTES."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -214,6 +218,10 @@ class _Checkpoint:
         try:
             for f in checkpoint_files(path):
                 self.files.append(_File(f))
+                total = sum(file.data_start for file in self.files)
+                if total > MAX_HEADER_BYTES:
+                    raise ValueError(f"fsdpturbo: the headers of checkpoint {self.path!r} hold {total} bytes by "
+                                     f"{f!r}, more than the limit of {MAX_HEADER_BYTES}")
         except BaseException:
             self.close()
             raise
@@ -306,6 +314,12 @@ class _Checkpoint:
             return tuple(info(sources)["shape"])
         first = info(sources[0][0])["shape"]
         return (len(sources), sum(info(k)["shape"][0] for k in sources[0]), *first[1:])
+
+
+def check_files(path):
+    """Raises the error of the first file of the safetensors checkpoint at `path` that the
+    loader would refuse (its header, its size, the limits): for readers with their own parser."""
+    _Checkpoint(path).close()
 
 
 def _local_target(param, where):

@@ -555,3 +555,34 @@ fn c_abi_parses_and_plans() {
     fsdpturbo_safetensors_free(std::ptr::null_mut());
     fsdpturbo_read_plan_free(std::ptr::null_mut());
 }
+
+/// The tensors without JSON: names concatenated, and per tensor its name's length in characters,
+/// its first byte in the file, its dims.
+#[test]
+fn c_abi_lists_names_and_layout() {
+    let f = write(&[T("a", "F32", 32, vec![2, 3]), T("é.ü", "BF16", 16, vec![4]), T("s", "U8", 8, vec![])]);
+    let mut file = std::ptr::null_mut();
+    assert_eq!(fsdpturbo_safetensors_parse(f.as_ptr(), f.len(), f.len() as u64, &mut file), 0);
+    let data_start = header_size(&f).unwrap();
+
+    let mut len = 0usize;
+    assert_eq!(
+        fsdpturbo_safetensors_tensor_names(file, std::ptr::null_mut(), 0, &mut len),
+        FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32
+    );
+    let mut buf = vec![0 as c_char; len];
+    assert_eq!(fsdpturbo_safetensors_tensor_names(file, buf.as_mut_ptr(), len, &mut len), 0);
+    let names = String::from_utf8(buf[..len - 1].iter().map(|&c| c as u8).collect()).unwrap();
+    assert_eq!(names, "aé.üs");
+
+    let mut n = 0usize;
+    assert_eq!(
+        fsdpturbo_safetensors_tensor_layout(file, std::ptr::null_mut(), 0, &mut n),
+        FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32
+    );
+    let mut layout = vec![0u64; n];
+    assert_eq!(fsdpturbo_safetensors_tensor_layout(file, layout.as_mut_ptr(), n, &mut n), 0);
+    let s = data_start;
+    assert_eq!(layout, [1, s, 2, 2, 3, 3, s + 24, 1, 4, 1, s + 32, 0]);
+    fsdpturbo_safetensors_free(file);
+}

@@ -112,17 +112,23 @@ def string_out(fn, *args):
         return buf.raw[:needed.value - 1].decode("utf-8")  # `needed` counts the NUL
 
 
-def u64_out(fn, *args, capacity=64):
-    """Calls a `(..., uint64_t *buf, size_t cap, size_t *out_len)` function; returns a list."""
+def u64_view(fn, *args, capacity=64):
+    """Calls a `(..., uint64_t *buf, size_t cap, size_t *out_len)` function, again while the
+    buffer is too small; returns a memoryview of the values (no Python int until indexed)."""
     while True:
-        buf = (ctypes.c_uint64 * capacity)()
+        buf = (ctypes.c_uint64 * max(capacity, 1))()
         n = ctypes.c_size_t(0)
         status = fn(*args, buf, capacity, ctypes.byref(n))
         if status == BUFFER_TOO_SMALL and n.value > capacity:
             capacity = n.value
             continue
         check(status)
-        return list(buf[: n.value])
+        return memoryview(buf).cast("B").cast("Q")[: n.value]
+
+
+def u64_out(fn, *args, capacity=64):
+    """`u64_view` as a list."""
+    return list(u64_view(fn, *args, capacity=capacity))
 
 
 TopologyOptions = _abi.fsdpturbo_topology_options_t

@@ -177,18 +177,26 @@ class _File:
             header = _header_bytes(self.fd)
             _native.check(_native.lib.fsdpturbo_safetensors_parse(header, len(header), size,
                                                                   ctypes.byref(self.handle)))
-            info = json.loads(_native.string_out(_native.lib.fsdpturbo_safetensors_to_json, self.handle))
+            names = _native.string_out(_native.lib.fsdpturbo_safetensors_tensor_names, self.handle)
+            layout = _native.u64_view(_native.lib.fsdpturbo_safetensors_tensor_layout, self.handle)
         except _native.FsdpturboError as e:
             self.close()
             raise _file_error(path, e) from None
         except BaseException:
             self.close()
             raise
-        self.tensors = {t["name"]: t for t in info["tensors"]}
-        self.data_start = info["data_start"]
-        # Absolute byte ranges of the tensors in file order, to name the tensor of a failed read.
-        self._begins = [self.data_start + t["data_offsets"][0] for t in info["tensors"]]
-        self._names = [t["name"] for t in info["tensors"]]
+        self.header_bytes = len(header)
+        self.tensors = {}  # name -> shape
+        # The first byte of each tensor in file order, to name the tensor of a failed read.
+        self._begins, self._names = [], []
+        at = char = 0
+        while at < len(layout):
+            chars, begin, ndim = layout[at], layout[at + 1], layout[at + 2]
+            name = names[char:char + chars]
+            self.tensors[name] = tuple(layout[at + 3:at + 3 + ndim])
+            self._begins.append(begin)
+            self._names.append(name)
+            at, char = at + 3 + ndim, char + chars
 
     def tensor_at(self, offset):
         i = bisect.bisect_right(self._begins, offset) - 1
@@ -218,7 +226,7 @@ class _Checkpoint:
         try:
             for f in checkpoint_files(path):
                 self.files.append(_File(f))
-                total = sum(file.data_start for file in self.files)
+                total = sum(file.header_bytes for file in self.files)
                 if total > MAX_HEADER_BYTES:
                     raise ValueError(f"fsdpturbo: the headers of checkpoint {self.path!r} hold {total} bytes by "
                                      f"{f!r}, more than the limit of {MAX_HEADER_BYTES}")
@@ -309,11 +317,11 @@ class _Checkpoint:
         return self.read(reads, torch.empty(shape, dtype=dtype))
 
     def _global_shape(self, sources):
-        info = lambda k: self.files[self.where[k]].tensors[k]  # noqa: E731
+        shape = lambda k: self.files[self.where[k]].tensors[k]  # noqa: E731
         if isinstance(sources, str):
-            return tuple(info(sources)["shape"])
-        first = info(sources[0][0])["shape"]
-        return (len(sources), sum(info(k)["shape"][0] for k in sources[0]), *first[1:])
+            return shape(sources)
+        first = shape(sources[0][0])
+        return (len(sources), sum(shape(k)[0] for k in sources[0]), *first[1:])
 
 
 def check_files(path):

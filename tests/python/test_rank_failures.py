@@ -20,7 +20,8 @@ FAST_S = 20.0  # far below the harness's process-group timeout (60 s): a rank le
 
 
 def _same_error_everywhere(call, error, pattern):
-    """`call()` raises `error` matching `pattern` on this rank, fast; every rank's text is equal."""
+    """`call()` raises `error` matching `pattern` on this rank, fast; every rank's text is equal.
+    Returns the error."""
     start = time.monotonic()
     with pytest.raises(error, match=pattern) as raised:
         call()
@@ -29,6 +30,7 @@ def _same_error_everywhere(call, error, pattern):
     texts = [None] * dist.get_world_size()
     dist.all_gather_object(texts, str(raised.value))
     assert len(set(texts)) == 1, f"the ranks raised different errors: {texts}"
+    return raised.value
 
 
 @contextlib.contextmanager
@@ -90,12 +92,14 @@ def _load_rank_fn(rank, world, directory):
 
     # Rank 1 was handed a truncated copy.
     copy = first if rank == 0 else os.path.join(directory, "truncated")
-    _same_error_everywhere(lambda: load_checkpoint(model, None, copy), CheckpointError,
-                           r"failed \(rank 1: ValueError: .*__0_0\.distcp' has \d+ bytes, .*truncated")
+    error = _same_error_everywhere(lambda: load_checkpoint(model, None, copy), CheckpointError,
+                                   r"failed \(rank 1: ValueError: .*__0_0\.distcp' has \d+ bytes, .*truncated")
+    assert isinstance(error, ValueError), "what one process raises is caught the same way"
     # Rank 1's checkpoint does not exist.
     missing = first if rank == 0 else os.path.join(directory, "nowhere")
-    _same_error_everywhere(lambda: load_checkpoint(model, None, missing), CheckpointError,
-                           r"failed \(rank 1: FileNotFoundError: .*nowhere' does not exist")
+    error = _same_error_everywhere(lambda: load_checkpoint(model, None, missing), CheckpointError,
+                                   r"failed \(rank 1: FileNotFoundError: .*nowhere' does not exist")
+    assert isinstance(error, FileNotFoundError)
     # The ranks were handed two different complete checkpoints.
     other = first if rank == 0 else second
     _same_error_everywhere(lambda: load_checkpoint(model, None, other), ValueError,

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from .consistency import check_same_on_every_rank, collective_step, describe_failures
+from .consistency import check_same_on_every_rank, collective_step, every_rank_error, failure_of
 from .progress import Progress
 from .safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain, plain_bytes
 from .staging import check_target, new_staging, normalised, replace, write_synced
@@ -49,8 +49,8 @@ _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=True)
 
 class CheckpointError(RuntimeError):
     """A save or load failed on some rank: raised on every rank, naming each failing rank and
-    its cause. (With one process, a failure before DCP's own reads and writes raises its own
-    exception: FileNotFoundError, ValueError, ...)"""
+    its cause; also a ValueError, FileNotFoundError, ... when every cause is one (with one
+    process, a failure before DCP's own reads and writes raises its cause itself)."""
 
 
 @contextlib.contextmanager
@@ -63,8 +63,8 @@ def dcp_failures(action):
     try:
         yield
     except CheckpointException as e:
-        raise CheckpointError(describe_failures(action, {rank: f"{type(error).__name__}: {error}"
-                                                         for rank, (error, _) in e.failures.items()})) from e
+        raise every_rank_error(action, {rank: failure_of(error) for rank, (error, _) in e.failures.items()},
+                               CheckpointError) from e
 
 
 def _on_every_rank(action, step):

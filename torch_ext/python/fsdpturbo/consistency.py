@@ -4,6 +4,7 @@ collective until the process-group timeout and then fail with a transport error.
 rank-local step is followed by one small all-gather, and every rank raises the same error,
 naming the ranks and the cause (`collective_step`) or the first value that differs
 (`check_same_on_every_rank`)."""
+import functools
 import hashlib
 
 import torch.distributed as dist
@@ -21,34 +22,55 @@ def _gather(value):
     return everyone
 
 
-def describe_failures(action, failures):
-    """One message for the failures {rank: text} of `action`: ranks with the same text are named
-    together."""
+# The classes an `except` written for one process catches, most specific first: a failure on
+# every rank is also an instance of the one its causes share.
+_KINDS = (FileNotFoundError, FileExistsError, OSError, KeyError, ValueError, TypeError)
+
+
+def failure_of(exception):
+    """What the other ranks learn of an exception: (the name of its kind in _KINDS or None, its
+    type and message)."""
+    kind = next((k.__name__ for k in _KINDS if isinstance(exception, k)), None)
+    return kind, f"{type(exception).__name__}: {exception}"
+
+
+def every_rank_error(action, failures, error):
+    """The exception every rank raises for the failures {rank: failure_of(...)} of `action`: an
+    `error` naming each failing rank and its cause (ranks with the same text together), also an
+    instance of the kind every cause shares (ValueError, FileNotFoundError, ...) if they do."""
     by_text = {}
-    for rank, text in sorted(failures.items()):
+    for rank, (_, text) in sorted(failures.items()):
         by_text.setdefault(text, []).append(rank)
     causes = "; ".join(f"rank {ranks[0]}: {text}" if len(ranks) == 1 else f"ranks {ranks}: {text}"
                        for text, ranks in by_text.items())
-    return f"fsdpturbo: {action} failed ({causes})"
+    kinds = {kind for kind, _ in failures.values()}
+    kind = next((k for k in _KINDS if {k.__name__} == kinds), None)
+    cls = error if kind is None or issubclass(error, kind) else _combined(error, kind)
+    return cls(f"fsdpturbo: {action} failed ({causes})")
+
+
+@functools.cache
+def _combined(error, kind):
+    return type(error.__name__, (error, kind), {"__module__": error.__module__, "__str__": BaseException.__str__})
 
 
 def collective_step(action, step, error=RuntimeError):
     """Runs `step()` on this rank, then one all-gather of (its failure, its result) over the
-    default group: when any rank's step raised an Exception, every rank raises `error` with the
-    message of `describe_failures` (the failing rank's own exception chained); else returns every
-    rank's result (small and picklable), by rank. With one rank or no process group, `step`'s
-    own exception propagates unchanged and the result is [step()]."""
+    default group: when any rank's step raised an Exception, every rank raises
+    `every_rank_error` (the failing rank's own exception chained); else returns every rank's
+    result (small and picklable), by rank. With one rank or no process group, `step`'s own
+    exception propagates unchanged and the result is [step()]."""
     if not _several_ranks():
         return [step()]
     result, failure, cause = None, None, None
     try:
         result = step()
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, then it is raised
-        failure, cause = f"{type(e).__name__}: {e}", e
+        failure, cause = failure_of(e), e
     everyone = _gather((failure, result))
-    failures = {rank: text for rank, (text, _) in enumerate(everyone) if text is not None}
+    failures = {rank: failure for rank, (failure, _) in enumerate(everyone) if failure is not None}
     if failures:
-        raise error(describe_failures(action, failures)) from cause
+        raise every_rank_error(action, failures, error) from cause
     return [value for _, value in everyone]
 
 

@@ -105,6 +105,10 @@
 // Placement kind: torch `Partial()`.
 #define FSDPTURBO_PLACEMENT_PARTIAL 3
 
+// The most experts one EP module may have: a larger count is a plan error, and the
+// checkpoint converter refuses per-expert keys numbered beyond it.
+#define FSDPTURBO_MAX_EXPERTS 65536
+
 // Parameter roles (fsdpturbo_plan_param_role).
 #define FSDPTURBO_PARAM_EXPERT 0
 
@@ -1078,6 +1082,24 @@ int32_t fsdpturbo_safetensors_to_json(const fsdpturbo_safetensors_t *file,
                                       char *buf,
                                       size_t cap,
                                       size_t *out_len);
+
+// The header's tensor names in file order, concatenated (NUL-terminated as a whole, `cap`
+// bytes at `buf`; `*out_len` receives the bytes needed with the NUL, a short buffer gives
+// FSDPTURBO_ERR_BUFFER_TOO_SMALL). fsdpturbo_safetensors_tensor_layout gives each name's
+// length: with the two, a reader learns the tensors without fsdpturbo_safetensors_to_json.
+int32_t fsdpturbo_safetensors_tensor_names(const fsdpturbo_safetensors_t *file,
+                                           char *buf,
+                                           size_t cap,
+                                           size_t *out_len);
+
+// Per tensor of the header in file order, `3 + ndim` values: the length of its name in
+// fsdpturbo_safetensors_tensor_names in characters (Unicode scalar values), the offset of its
+// first byte in the file, its number of dims, then its dims. `cap` values at `buf`;
+// `*out_len` receives the number needed, a short buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+int32_t fsdpturbo_safetensors_tensor_layout(const fsdpturbo_safetensors_t *file,
+                                            uint64_t *buf,
+                                            size_t cap,
+                                            size_t *out_len);
 
 // Plans the reads of one rank's local slice of a tensor of `global_shape` (`ndim` dims)
 // placed by `placements` on a mesh of `mesh_shape` (`mesh_ndim` dims and placements), exactly

@@ -1,7 +1,7 @@
 //! The one error type of the core: a kind (mapped to a C status) and a message that says
 //! what was wrong, where, and what is accepted.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -47,3 +47,33 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Whether `c` is escaped where input text is echoed into a message: every character Rust's
+/// `{:?}` escapes (control characters, line and paragraph separators, bidi and other format
+/// characters, NUL) but quotes and backslashes, which cannot break or disguise a line.
+pub fn must_escape(c: char) -> bool {
+    !matches!(c, '\\' | '"' | '\'') && c.escape_debug().nth(1).is_some()
+}
+
+/// Input text (a tensor name, a key, a `model_type`, a pattern) as it is echoed into a message:
+/// the one place its hazardous characters are escaped, as `\n`, `\u{2028}`, `\u{202e}`, so that
+/// an error stays one line, shows what it quotes, and cannot forge a log line.
+pub struct Escaped<'a>(pub &'a str);
+
+impl fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
+            if must_escape(c) {
+                write!(f, "{}", c.escape_debug())?;
+            } else {
+                f.write_char(c)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Displayed input (a JSON value of a file) as `Escaped` echoes it.
+pub fn escaped(input: impl fmt::Display) -> String {
+    Escaped(&input.to_string()).to_string()
+}

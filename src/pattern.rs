@@ -45,7 +45,7 @@ use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Escaped, Result};
 
 /// The text that stands for a brace group between the two compilation steps.
 const PLACEHOLDER: &str = "__NUM__";
@@ -357,17 +357,17 @@ fn parse_brace(inner: &str) -> Result<Spec> {
         return Ok(Spec::Any);
     }
     if !inner.contains('-') {
-        return Err(Error::invalid(format!("Unrecognized brace pattern: {inner}")));
+        return Err(Error::invalid(format!("Unrecognized brace pattern: {}", Escaped(inner))));
     }
     let mut parts = inner.split('-');
     let (Some(low), Some(high), None) = (parts.next(), parts.next(), parts.next()) else {
-        return Err(Error::invalid(format!("Invalid brace pattern: {inner}")));
+        return Err(Error::invalid(format!("Invalid brace pattern: {}", Escaped(inner))));
     };
     let (Some(low), Some(high)) = (python_int(low), python_int(high)) else {
-        return Err(Error::invalid(format!("Non-integer in range: {inner}")));
+        return Err(Error::invalid(format!("Non-integer in range: {}", Escaped(inner))));
     };
     if cmp_canonical(&low, &high) == Ordering::Greater {
-        return Err(Error::invalid(format!("Invalid range: {inner} (low > high)")));
+        return Err(Error::invalid(format!("Invalid range: {} (low > high)", Escaped(inner))));
     }
     Ok(Spec::Range { low, high })
 }

@@ -12,6 +12,10 @@ use crate::pattern::PatternSet;
 use crate::spec::{ModelSpec, ModelTree, ParamInfo};
 use crate::topology::Topology;
 
+/// The most experts one EP module may have (models have up to a few hundred); it bounds the
+/// per-expert tables a plan builds.
+pub const MAX_EXPERTS: u64 = 65_536;
+
 /// Everything plan resolution reads.
 pub struct PlanInput<'a> {
     pub tree: &'a ModelTree,
@@ -228,6 +232,11 @@ fn expert_modules(tree: &ModelTree, names: &[String], ep: u64) -> Result<Vec<Exp
         .iter()
         .zip(counts)
         .map(|(name, num_global_experts)| {
+            if num_global_experts > MAX_EXPERTS {
+                return Err(plan_error(format!(
+                    "[Expert Parallel] {name} has {num_global_experts} experts, more than the limit of {MAX_EXPERTS}"
+                )));
+            }
             if num_global_experts % ep != 0 {
                 return Err(plan_error(format!(
                     "Number of experts({num_global_experts}) is not divisible by ep size({ep})."

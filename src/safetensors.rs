@@ -24,14 +24,25 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use serde::Serialize;
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Escaped, Result, escaped};
 use crate::placement::{self, Placement};
 
 /// The largest header the format allows (the `safetensors` crate's limit).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The most tensors one file's header may hold: far above any real file (a shard of a few GB
+/// holds thousands), low enough that a header's parsed form stays within a few hundred MB.
+pub const MAX_TENSORS: usize = 1 << 18;
+/// The most dims a tensor may have (torch's limit).
+pub const MAX_DIMS: usize = 64;
+/// The most JSON bytes of one tensor entry: one of at most 64 dims needs about 1.4 KB, so the
+/// entry parsed alone costs little.
+pub const MAX_ENTRY_BYTES: usize = 1 << 16;
+/// The most JSON bytes of `__metadata__`.
+pub const MAX_METADATA_BYTES: usize = 16 << 20;
 
 /// The element types of the format: `(name, bits per element)`.
 const DTYPES: &[(&str, u64)] = &[
@@ -165,56 +176,94 @@ pub fn header_size(prefix: &[u8]) -> Result<u64> {
     Ok(8 + n)
 }
 
-/// The JSON object's entries in file order, duplicates kept (serde_json's maps drop them).
-struct Entries(Vec<(String, Value)>);
+/// The JSON object's entries in file order, duplicates kept (serde_json's maps drop them), each
+/// value as its raw JSON text (parsed one at a time once its size is checked). Past
+/// `MAX_TENSORS + 1` entries (the tensors and `__metadata__`) the rest are only counted.
+struct Entries<'a> {
+    kept: Vec<(String, &'a RawValue)>,
+    count: usize,
+}
 
-impl<'de> Deserialize<'de> for Entries {
+impl<'de> Deserialize<'de> for Entries<'de> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Entries;
+            type Value = Entries<'de>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object of tensor entries")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, Value>()? {
-                    out.push((k, v));
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries<'de>, A::Error> {
+                let mut entries = Entries { kept: Vec::new(), count: 0 };
+                while entries.kept.len() <= MAX_TENSORS {
+                    let Some(entry) = map.next_entry::<String, &RawValue>()? else { return Ok(entries) };
+                    entries.kept.push(entry);
+                    entries.count += 1;
                 }
-                Ok(Entries(out))
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
+                    entries.count += 1;
+                }
+                Ok(entries)
             }
         }
         deserializer.deserialize_map(V)
     }
 }
 
+/// The value of one entry, parsed once its raw JSON is known to be at most `limit` bytes.
+fn entry_value(raw: &RawValue, limit: usize, too_big: impl FnOnce(usize) -> Error) -> Result<Value> {
+    if raw.get().len() > limit {
+        return Err(too_big(raw.get().len()));
+    }
+    serde_json::from_str(raw.get())
+        .map_err(|e| Error::invalid(format!("an entry of the header is not JSON: {e}")))
+}
+
+fn out_of_memory(tensors: usize) -> Error {
+    Error::invalid(format!("the header's {tensors} tensors do not fit in memory"))
+}
+
 fn bad(name: &str, what: impl fmt::Display) -> Error {
-    Error::invalid(format!("tensor `{name}`: {what}"))
+    Error::invalid(format!("tensor `{}`: {what}", Escaped(name)))
 }
 
 fn as_u64s(name: &str, field: &str, value: &Value) -> Result<Vec<u64>> {
-    let items = value.as_array().ok_or_else(|| bad(name, format!("`{field}` is {value}, not an array")))?;
+    let items = value
+        .as_array()
+        .ok_or_else(|| bad(name, format!("`{field}` is {}, not an array", escaped(value))))?;
     items
         .iter()
         .enumerate()
         .map(|(i, v)| {
-            v.as_u64().ok_or_else(|| bad(name, format!("`{field}[{i}]` is {v}, not a non-negative integer")))
+            v.as_u64().ok_or_else(|| {
+                bad(name, format!("`{field}[{i}]` is {}, not a non-negative integer", escaped(v)))
+            })
         })
         .collect()
 }
 
 fn tensor_entry(name: &str, value: &Value) -> Result<TensorInfo> {
-    let fields =
-        value.as_object().ok_or_else(|| bad(name, format!("the entry is {value}, not an object")))?;
+    let fields = value
+        .as_object()
+        .ok_or_else(|| bad(name, format!("the entry is {}, not an object", escaped(value))))?;
     if let Some(unknown) = fields.keys().find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets")) {
-        return Err(bad(name, format!("unknown field `{unknown}`; accepted: dtype, shape, data_offsets")));
+        return Err(bad(
+            name,
+            format!("unknown field `{}`; accepted: dtype, shape, data_offsets", Escaped(unknown)),
+        ));
     }
     let field = |f: &str| fields.get(f).ok_or_else(|| bad(name, format!("the entry has no `{f}`")));
     let dtype_value = field("dtype")?;
-    let dtype_name =
-        dtype_value.as_str().ok_or_else(|| bad(name, format!("`dtype` is {dtype_value}, not a string")))?;
+    let dtype_name = dtype_value
+        .as_str()
+        .ok_or_else(|| bad(name, format!("`dtype` is {}, not a string", escaped(dtype_value))))?;
     let dtype = Dtype::parse(dtype_name).map_err(|e| bad(name, e.message))?;
     let shape = as_u64s(name, "shape", field("shape")?)?;
+    if shape.len() > MAX_DIMS {
+        return Err(bad(
+            name,
+            format!("its shape has {} dims, more than the limit of {MAX_DIMS}", shape.len()),
+        ));
+    }
     let offsets = as_u64s(name, "data_offsets", field("data_offsets")?)?;
     let &[begin, end] = offsets.as_slice() else {
         return Err(bad(name, format!("`data_offsets` has {} entries; give [begin, end]", offsets.len())));
@@ -260,28 +309,49 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
             bytes.len()
         ))
     })?;
-    let Entries(entries) = serde_json::from_slice(json).map_err(|e| {
+    let entries: Entries = serde_json::from_slice(json).map_err(|e| {
         Error::invalid(format!("the header is not a valid JSON object of tensor entries: {e}"))
     })?;
+    let tensor_count =
+        entries.count - usize::from(entries.kept.iter().any(|(name, _)| name == "__metadata__"));
+    if tensor_count > MAX_TENSORS {
+        return Err(Error::invalid(format!(
+            "the header holds {tensor_count} tensors, more than the limit of {MAX_TENSORS} per file"
+        )));
+    }
     let mut tensors = Vec::new();
+    tensors.try_reserve_exact(tensor_count).map_err(|_| out_of_memory(tensor_count))?;
     let mut metadata = BTreeMap::new();
     let mut seen = HashMap::new();
-    for (name, value) in &entries {
+    seen.try_reserve(entries.kept.len()).map_err(|_| out_of_memory(tensor_count))?;
+    for (name, raw) in &entries.kept {
         if seen.insert(name.as_str(), ()).is_some() {
             return Err(bad(name, "the header names it twice"));
         }
         if name == "__metadata__" {
+            let value = &entry_value(raw, MAX_METADATA_BYTES, |n| {
+                Error::invalid(format!(
+                    "`__metadata__` is {n} bytes of JSON, more than the limit of {MAX_METADATA_BYTES}"
+                ))
+            })?;
             let object = value.as_object().ok_or_else(|| {
-                Error::invalid(format!("`__metadata__` is {value}, not an object of strings"))
+                Error::invalid(format!("`__metadata__` is {}, not an object of strings", escaped(value)))
             })?;
             for (k, v) in object {
                 let s = v.as_str().ok_or_else(|| {
-                    Error::invalid(format!("`__metadata__.{k}` is {v}; metadata values must be strings"))
+                    Error::invalid(format!(
+                        "`__metadata__.{}` is {}; metadata values must be strings",
+                        Escaped(k),
+                        escaped(v)
+                    ))
                 })?;
                 metadata.insert(k.clone(), s.to_string());
             }
         } else {
-            tensors.push(tensor_entry(name, value)?);
+            let value = entry_value(raw, MAX_ENTRY_BYTES, |n| {
+                bad(name, format!("its entry is {n} bytes of JSON, more than the limit of {MAX_ENTRY_BYTES}"))
+            })?;
+            tensors.push(tensor_entry(name, &value)?);
         }
     }
     // The data section is tiled by the tensors in offset order, from 0, without holes or overlaps.
@@ -295,7 +365,9 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
                 &t.name,
                 format!(
                     "`data_offsets` [{b}, {e}] overlap tensor `{}` at [{}, {}]",
-                    prev.name, prev.data_offsets.0, prev.data_offsets.1
+                    Escaped(&prev.name),
+                    prev.data_offsets.0,
+                    prev.data_offsets.1
                 ),
             ));
         }
@@ -303,7 +375,7 @@ pub fn parse_header(bytes: &[u8], file_size: Option<u64>) -> Result<Header> {
             let after = if i == 0 {
                 "the data section starts at 0".to_string()
             } else {
-                format!("the previous tensor `{}` ends at {end}", tensors[i - 1].name)
+                format!("the previous tensor `{}` ends at {end}", Escaped(&tensors[i - 1].name))
             };
             return Err(bad(
                 &t.name,
@@ -384,7 +456,9 @@ fn check_sources(sources: &[Source], layout: Layout, global_shape: &[u64]) -> Re
             &other.info.name,
             format!(
                 "its dtype {} differs from {} of `{}`; the tensors of one stack must share a dtype",
-                other.info.dtype, first.info.dtype, first.info.name
+                other.info.dtype,
+                first.info.dtype,
+                Escaped(&first.info.name)
             ),
         ));
     }
@@ -504,8 +578,9 @@ pub fn read_plan(
     placements: &[Placement],
 ) -> Result<ReadPlan> {
     let dtype = check_sources(sources, layout, global_shape)?;
-    let plan = placement::copy_plan(global_shape, mesh_shape, coordinate, placements)
-        .map_err(|e| Error::new(e.kind, format!("tensor `{}`: {}", sources[0].info.name, e.message)))?;
+    let plan = placement::copy_plan(global_shape, mesh_shape, coordinate, placements).map_err(|e| {
+        Error::new(e.kind, format!("tensor `{}`: {}", Escaped(&sources[0].info.name), e.message))
+    })?;
     let esize = dtype.bits() / 8;
     let local_bytes = plan.local_numel().checked_mul(esize).ok_or_else(|| {
         Error::new(

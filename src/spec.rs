@@ -2,11 +2,19 @@
 //! (EFSDP) units, and — for the built-in families — the module tree a Hugging Face
 //! `config.json` describes, so plans can be made without building the model.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use serde_json::Value;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Escaped, Result, escaped};
+use crate::plan::MAX_EXPERTS;
+
+/// The most decoder layers a config.json may give: the largest models have a few hundred, and
+/// the module tree grows with them (about 4.5 KB a layer).
+pub const MAX_LAYERS: u64 = 10_000;
+/// The largest number a config.json may give to a size (hidden, vocab, heads, intermediate):
+/// products of two or three stay within 64 bits.
+pub const MAX_SIZE: u64 = 1 << 24;
 
 /// What the seed's `FSDPTurboEPModelSpec` holds for one model type.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -80,7 +88,8 @@ impl SpecRegistry {
             Error::new(
                 ErrorKind::Plan,
                 format!(
-                    "No FSDPTurbo EP spec is registered for model_type={model_type}. Registered: [{}]",
+                    "No FSDPTurbo EP spec is registered for model_type={}. Registered: [{}]",
+                    Escaped(model_type),
                     self.model_types().join(", ")
                 ),
             )
@@ -116,6 +125,23 @@ pub struct ModelTree {
 }
 
 impl ModelTree {
+    /// An empty tree of `model_type` with room for `layers` decoder layers, reserved fallibly: a
+    /// tree too large for memory is an error, not an abort.
+    fn with_layers(model_type: &str, layers: u64) -> Result<ModelTree> {
+        const ENTRIES_PER_LAYER: u64 = 32; // modules or parameters of one decoder layer, at most
+        let too_large = || {
+            Error::new(
+                ErrorKind::Plan,
+                format!("config.json: a module tree of {layers} layers does not fit in memory"),
+            )
+        };
+        let entries = layers.checked_mul(ENTRIES_PER_LAYER).and_then(|n| usize::try_from(n + 16).ok());
+        let entries = entries.ok_or_else(too_large)?;
+        let mut tree = ModelTree { model_type: model_type.into(), ..ModelTree::default() };
+        tree.modules.try_reserve(entries).map_err(|_| too_large())?;
+        tree.params.try_reserve(entries).map_err(|_| too_large())?;
+        Ok(tree)
+    }
     fn module(&mut self, name: String) {
         self.modules.push(name);
     }
@@ -148,8 +174,9 @@ pub fn model_tree_from_config(config: &Value) -> Result<ModelTree> {
         other => Err(Error::new(
             ErrorKind::Plan,
             format!(
-                "config.json: no module-tree builder for model_type={other}; \
-                 the built-in families are qwen3_moe and qwen3_5_moe"
+                "config.json: no module-tree builder for model_type={}; \
+                 the built-in families are qwen3_moe and qwen3_5_moe",
+                Escaped(other)
             ),
         )),
     }
@@ -165,19 +192,30 @@ impl ConfigValues<'_> {
     fn error(&self, key: &str, what: &str) -> Error {
         Error::new(ErrorKind::Plan, format!("config.json: `{}{key}` {what}", self.section))
     }
-    fn uint(&self, key: &str) -> Result<u64> {
+    /// The non-negative integer at `key`, at most `limit` (the message says "{limit} {what}").
+    fn bounded(&self, key: &str, limit: u64, what: &str) -> Result<u64> {
         match self.values.get(key) {
-            Some(v) => {
-                v.as_u64().ok_or_else(|| self.error(key, &format!("must be a non-negative integer, got {v}")))
-            }
+            Some(v) => match v.as_u64() {
+                Some(n) if n > limit => {
+                    Err(self.error(key, &format!("is {n}, more than the limit of {limit} {what}")))
+                }
+                Some(n) => Ok(n),
+                None => Err(self.error(key, &format!("must be a non-negative integer, got {}", escaped(v)))),
+            },
             None => Err(self.error(key, "is missing (needed to build the module tree)")),
         }
     }
-    fn positive(&self, key: &str) -> Result<u64> {
-        match self.uint(key)? {
+    fn uint(&self, key: &str) -> Result<u64> {
+        self.bounded(key, MAX_SIZE, "for a size")
+    }
+    fn at_least_one(&self, key: &str, n: u64) -> Result<u64> {
+        match n {
             0 => Err(self.error(key, "must be at least 1, got 0")),
             n => Ok(n),
         }
+    }
+    fn positive(&self, key: &str) -> Result<u64> {
+        self.at_least_one(key, self.uint(key)?)
     }
     fn uint_or(&self, key: &str, default: u64) -> Result<u64> {
         if self.values.get(key).is_none_or(Value::is_null) { Ok(default) } else { self.uint(key) }
@@ -188,17 +226,22 @@ impl ConfigValues<'_> {
     fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.values.get(key) {
             None | Some(Value::Null) => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| self.error(key, &format!("must be true or false, got {v}"))),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(key, &format!("must be true or false, got {}", escaped(v)))),
         }
     }
-    fn uint_list_or_empty(&self, key: &str) -> Result<Vec<u64>> {
+    fn uint_set_or_empty(&self, key: &str) -> Result<HashSet<u64>> {
         match self.values.get(key) {
-            None | Some(Value::Null) => Ok(Vec::new()),
+            None | Some(Value::Null) => Ok(HashSet::new()),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_u64().ok_or_else(|| self.error(key, &format!("must hold integers, got {v}"))))
+                .map(|v| {
+                    v.as_u64()
+                        .ok_or_else(|| self.error(key, &format!("must hold integers, got {}", escaped(v))))
+                })
                 .collect(),
-            Some(v) => Err(self.error(key, &format!("must be a list of integers, got {v}"))),
+            Some(v) => Err(self.error(key, &format!("must be a list of integers, got {}", escaped(v)))),
         }
     }
 }
@@ -223,11 +266,11 @@ impl MoeDims {
         Ok(MoeDims {
             hidden,
             vocab: v.positive("vocab_size")?,
-            layers: v.uint("num_hidden_layers")?,
+            layers: v.bounded("num_hidden_layers", MAX_LAYERS, "layers")?,
             heads,
             kv_heads: v.positive("num_key_value_heads")?,
             head_dim: v.uint_or("head_dim", hidden / heads)?,
-            experts: v.positive("num_experts")?,
+            experts: v.at_least_one("num_experts", v.bounded("num_experts", MAX_EXPERTS, "experts")?)?,
             moe_intermediate: v.positive("moe_intermediate_size")?,
             tie_word_embeddings: v.bool_or("tie_word_embeddings", false)?,
         })
@@ -296,11 +339,11 @@ fn qwen3_moe_tree(config: &Value) -> Result<ModelTree> {
     let v = ConfigValues { values: config, section: "" };
     let dims = MoeDims::read(&v)?;
     let sparse_step = v.positive_or("decoder_sparse_step", 1)?;
-    let mlp_only = v.uint_list_or_empty("mlp_only_layers")?;
+    let mlp_only = v.uint_set_or_empty("mlp_only_layers")?;
     let dense_intermediate = v.uint_or("intermediate_size", 0)?;
     let bias = v.bool_or("attention_bias", false)?;
 
-    let mut tree = ModelTree { model_type: "qwen3_moe".into(), ..ModelTree::default() };
+    let mut tree = ModelTree::with_layers("qwen3_moe", dims.layers)?;
     tree.module(String::new());
     tree.module("model".into());
     dims.embeddings(&mut tree, "model");
@@ -354,7 +397,7 @@ fn qwen3_5_moe_tree(config: &Value) -> Result<ModelTree> {
     let conv_kernel = v.positive("linear_conv_kernel_dim")?;
     let conv_dim = 2 * key_dim + value_dim;
 
-    let mut tree = ModelTree { model_type: "qwen3_5_moe".into(), ..ModelTree::default() };
+    let mut tree = ModelTree::with_layers("qwen3_5_moe", dims.layers)?;
     tree.module(String::new());
     tree.module("model".into());
     if base != "model" {
@@ -417,7 +460,10 @@ fn layer_types(v: &ConfigValues, layers: u64) -> Result<Vec<String>> {
                     Some(kind @ ("linear_attention" | "full_attention")) => Ok(kind.to_string()),
                     _ => Err(v.error(
                         "layer_types",
-                        &format!("entries must be \"linear_attention\" or \"full_attention\", got {item}"),
+                        &format!(
+                            "entries must be \"linear_attention\" or \"full_attention\", got {}",
+                            escaped(item)
+                        ),
                     )),
                 })
                 .collect()
@@ -430,6 +476,6 @@ fn layer_types(v: &ConfigValues, layers: u64) -> Result<Vec<String>> {
                 })
                 .collect())
         }
-        Some(other) => Err(v.error("layer_types", &format!("must be a list, got {other}"))),
+        Some(other) => Err(v.error("layer_types", &format!("must be a list, got {}", escaped(other)))),
     }
 }

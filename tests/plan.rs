@@ -3,8 +3,8 @@
 
 use fsdpturbo::config::DistConfig;
 use fsdpturbo::error::ErrorKind;
-use fsdpturbo::plan::{self, ParamRole, PlanInput};
-use fsdpturbo::spec::{ModelSpec, ModelTree, SpecRegistry, model_tree_from_config};
+use fsdpturbo::plan::{self, MAX_EXPERTS, ParamRole, PlanInput};
+use fsdpturbo::spec::{MAX_LAYERS, MAX_SIZE, ModelSpec, ModelTree, SpecRegistry, model_tree_from_config};
 use fsdpturbo::topology::{Topology, TopologySpec};
 use serde_json::{Value, json};
 
@@ -87,6 +87,49 @@ fn tree_errors_name_the_missing_or_bad_key() {
     let err = model_tree_from_config(&values).unwrap_err();
     assert!(
         err.message.contains("`text_config.layer_types` has 1 entries but num_hidden_layers is 2"),
+        "{}",
+        err.message
+    );
+}
+
+/// A small config.json cannot make the tree builder allocate without bound: layers, experts
+/// and sizes are capped, each an error naming the limit (10^8 layers once aborted the process).
+#[test]
+fn tree_inputs_beyond_the_limits_are_errors() {
+    let base = hf_fixture("qwen3_moe")["config"].clone();
+    for (key, value, limit) in [
+        ("num_hidden_layers", 100_000_000u64, format!("more than the limit of {MAX_LAYERS} layers")),
+        ("num_experts", 1_000_000_000, format!("more than the limit of {MAX_EXPERTS} experts")),
+        ("hidden_size", 1 << 40, format!("more than the limit of {MAX_SIZE} for a size")),
+        ("vocab_size", u64::MAX, format!("more than the limit of {MAX_SIZE} for a size")),
+    ] {
+        let mut config = base.clone();
+        config[key] = json!(value);
+        let started = std::time::Instant::now();
+        let err = model_tree_from_config(&config).unwrap_err();
+        assert_eq!(err.message, format!("config.json: `{key}` is {value}, {limit}"));
+        assert!(started.elapsed().as_secs_f64() < 1.0, "{key}: refused only after {:?}", started.elapsed());
+    }
+    let mut config = base.clone();
+    config["num_hidden_layers"] = json!(MAX_LAYERS);
+    config["mlp_only_layers"] = json!((0..MAX_LAYERS).step_by(2).collect::<Vec<_>>());
+    assert_eq!(
+        model_tree_from_config(&config).unwrap().modules.iter().filter(|m| m.ends_with(".mlp")).count(),
+        MAX_LAYERS as usize
+    );
+}
+
+#[test]
+fn more_experts_than_the_limit_is_a_plan_error() {
+    let mut tree = tree_of("qwen3_moe");
+    for param in tree.params.iter_mut().filter(|p| p.name.contains(".experts.")) {
+        param.shape[0] = MAX_EXPERTS + 1;
+    }
+    let err = resolve(&tree, &DistConfig { ep_size: 4, ..DistConfig::default() }, &topology(16, 2, 4, None))
+        .unwrap_err();
+    assert!(
+        err.message
+            .contains(&format!("has {} experts, more than the limit of {MAX_EXPERTS}", MAX_EXPERTS + 1)),
         "{}",
         err.message
     );

@@ -10,7 +10,10 @@ use fsdpturbo::ffi::placement::*;
 use fsdpturbo::ffi::safetensors::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::placement::{Placement, copy_plan};
-use fsdpturbo::safetensors::{Layout, MAX_HEADER_BYTES, Source, header_size, parse_header, read_plan};
+use fsdpturbo::safetensors::{
+    Layout, MAX_DIMS, MAX_ENTRY_BYTES, MAX_HEADER_BYTES, MAX_METADATA_BYTES, MAX_TENSORS, Source,
+    header_size, parse_header, read_plan,
+};
 
 use Placement::{Replicate, Shard};
 
@@ -99,6 +102,50 @@ fn refuses_bad_lengths_and_json() {
     assert!(e.contains("tensor `a`: the header names it twice"), "{e}");
     let e = err(&raw(r#"{"__metadata__": {"k": 1}}"#, 0), None);
     assert!(e.contains("`__metadata__.k` is 1"), "{e}");
+}
+
+/// A small header cannot make the parser do unbounded work: tensors per file, dims per tensor,
+/// bytes per entry and of the metadata are capped, each an error naming the limit.
+#[test]
+fn refuses_headers_beyond_the_limits() {
+    let many: Vec<String> = (0..=MAX_TENSORS)
+        .map(|i| entry(&format!("t{i}"), "U8", "[1]", &format!("[{i},{}]", i + 1)))
+        .collect();
+    let e = err(&raw(&format!("{{{}}}", many.join(",")), MAX_TENSORS + 1), None);
+    assert_eq!(
+        e,
+        format!(
+            "the header holds {} tensors, more than the limit of {MAX_TENSORS} per file",
+            MAX_TENSORS + 1
+        )
+    );
+    let at_the_limit = &many[..MAX_TENSORS];
+    assert_eq!(
+        parse_header(&raw(&format!("{{{}}}", at_the_limit.join(",")), MAX_TENSORS), None)
+            .unwrap()
+            .tensors
+            .len(),
+        MAX_TENSORS
+    );
+
+    let dims = format!("{:?}", vec![1u64; MAX_DIMS + 1]);
+    let e = err(&raw(&format!("{{{}}}", entry("w", "U8", &dims, "[0,1]")), 1), None);
+    assert_eq!(
+        e,
+        format!("tensor `w`: its shape has {} dims, more than the limit of {MAX_DIMS}", MAX_DIMS + 1)
+    );
+
+    let long = format!("[{}1]", "1,".repeat(MAX_ENTRY_BYTES / 2));
+    let e = err(&raw(&format!("{{{}}}", entry("w", "U8", &long, "[0,1]")), 1), None);
+    assert!(
+        e.starts_with("tensor `w`: its entry is ")
+            && e.ends_with(&format!("more than the limit of {MAX_ENTRY_BYTES}")),
+        "{e}"
+    );
+
+    let metadata = format!(r#"{{"__metadata__": {{"k": "{}"}}}}"#, "x".repeat(MAX_METADATA_BYTES));
+    let e = err(&raw(&metadata, 0), None);
+    assert!(e.ends_with(&format!("bytes of JSON, more than the limit of {MAX_METADATA_BYTES}")), "{e}");
 }
 
 #[test]
@@ -507,4 +554,35 @@ fn c_abi_parses_and_plans() {
     fsdpturbo_safetensors_free(file);
     fsdpturbo_safetensors_free(std::ptr::null_mut());
     fsdpturbo_read_plan_free(std::ptr::null_mut());
+}
+
+/// The tensors without JSON: names concatenated, and per tensor its name's length in characters,
+/// its first byte in the file, its dims.
+#[test]
+fn c_abi_lists_names_and_layout() {
+    let f = write(&[T("a", "F32", 32, vec![2, 3]), T("é.ü", "BF16", 16, vec![4]), T("s", "U8", 8, vec![])]);
+    let mut file = std::ptr::null_mut();
+    assert_eq!(fsdpturbo_safetensors_parse(f.as_ptr(), f.len(), f.len() as u64, &mut file), 0);
+    let data_start = header_size(&f).unwrap();
+
+    let mut len = 0usize;
+    assert_eq!(
+        fsdpturbo_safetensors_tensor_names(file, std::ptr::null_mut(), 0, &mut len),
+        FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32
+    );
+    let mut buf = vec![0 as c_char; len];
+    assert_eq!(fsdpturbo_safetensors_tensor_names(file, buf.as_mut_ptr(), len, &mut len), 0);
+    let names = String::from_utf8(buf[..len - 1].iter().map(|&c| c as u8).collect()).unwrap();
+    assert_eq!(names, "aé.üs");
+
+    let mut n = 0usize;
+    assert_eq!(
+        fsdpturbo_safetensors_tensor_layout(file, std::ptr::null_mut(), 0, &mut n),
+        FSDPTURBO_ERR_BUFFER_TOO_SMALL as i32
+    );
+    let mut layout = vec![0u64; n];
+    assert_eq!(fsdpturbo_safetensors_tensor_layout(file, layout.as_mut_ptr(), n, &mut n), 0);
+    let s = data_start;
+    assert_eq!(layout, [1, s, 2, 2, 3, 3, s + 24, 1, 4, 1, s + 32, 0]);
+    fsdpturbo_safetensors_free(file);
 }

@@ -147,7 +147,7 @@ pub const ROUTE_MAX_EXPERTS: usize = 4096;
 /// Workspace bytes of [`route`].
 pub fn route_workspace(tokens: usize, top_k: usize, num_experts: usize) -> usize {
     let tiles = tokens.saturating_mul(top_k).div_ceil(ROUTE_TILE);
-    8 + tiles.saturating_add(1).saturating_mul(num_experts).saturating_mul(8)
+    8usize.saturating_add(tiles.saturating_add(1).saturating_mul(num_experts).saturating_mul(8))
 }
 
 /// Device pointers of one routing call.
@@ -330,7 +330,7 @@ fn float_only(elem: Dtype, what: &str) -> Result<()> {
 
 /// Workspace bytes of [`unpermute`].
 pub fn unpermute_workspace(tokens: usize, top_k: usize) -> usize {
-    8 + tokens.saturating_mul(top_k).saturating_mul(8)
+    8usize.saturating_add(tokens.saturating_mul(top_k).saturating_mul(8))
 }
 
 /// Device pointers of one unpermute.

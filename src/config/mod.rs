@@ -20,6 +20,8 @@ use std::fmt;
 use serde::{Serialize, Serializer};
 use serde_yaml::Value;
 
+use crate::error::must_escape;
+
 mod lines;
 mod schema;
 #[cfg(test)]
@@ -29,8 +31,8 @@ mod text;
 use lines::{Index, MAX_NESTING};
 use schema::{dist_config, kernel_config, train_config};
 pub(crate) use text::py_list;
+use text::py_str;
 pub use text::{ConfigError, ConfigErrors};
-use text::{one_line, py_str};
 
 // ---------------------------------------------------------------------------------------------
 // Public types
@@ -399,7 +401,7 @@ fn load_yaml(text: &str, base: Vec<Seg>) -> Result<(Value, Lines), ConfigErrors>
 }
 
 fn yaml_error(index: Index, e: &serde_yaml::Error) -> ConfigError {
-    let message = one_line(&e.to_string());
+    let message = e.to_string();
     if message.contains("duplicate entry") {
         // serde_yaml points at the mapping; find the repeated key itself.
         if let Some((path, first, line)) = index.duplicates.into_iter().next() {
@@ -466,7 +468,7 @@ impl fmt::Display for Path {
         for (i, seg) in self.0.iter().enumerate() {
             match seg {
                 // A key with a line break would split the one-error-per-line output.
-                Seg::Key(key) if key.chars().any(char::is_control) => write!(f, "[{}]", py_str(key))?,
+                Seg::Key(key) if key.chars().any(must_escape) => write!(f, "[{}]", py_str(key))?,
                 Seg::Key(key) if i == 0 => f.write_str(key)?,
                 Seg::Key(key) => write!(f, ".{key}")?,
                 Seg::Index(index) => write!(f, "[{index}]")?,

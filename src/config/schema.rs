@@ -200,8 +200,7 @@ pub(super) fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<Dis
                 None => cx.err(
                     &p,
                     format!(
-                        "Unsupported dispatcher {}. Supported: {}",
-                        one_line(&name),
+                        "Unsupported dispatcher {name}. Supported: {}",
                         py_list(sorted(DISPATCHERS.map(Dispatcher::as_str)))
                     ),
                 ),
@@ -218,13 +217,8 @@ pub(super) fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<Dis
         if let Some(name) = string(cx, &p, v) {
             match FsdpImplementation::from_name(&name) {
                 Some(implementation) => d.fsdp_implementation = implementation,
-                None => cx.err(
-                    &p,
-                    format!(
-                        "Unknown FSDP implementation: {}. Supported: ['custom', 'native']",
-                        one_line(&name)
-                    ),
-                ),
+                None => cx
+                    .err(&p, format!("Unknown FSDP implementation: {name}. Supported: ['custom', 'native']")),
             }
         }
     }
@@ -330,8 +324,7 @@ pub(super) fn kernel_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<K
                 cx.err(
                     &p,
                     format!(
-                        "Plugin '{}' is not registered under KernelPlugin. Known kernels: {}",
-                        one_line(name),
+                        "Plugin '{name}' is not registered under KernelPlugin. Known kernels: {}",
                         py_list(KERNEL_NAMES)
                     ),
                 );

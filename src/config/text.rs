@@ -5,7 +5,7 @@ use std::fmt;
 
 use serde_yaml::Value;
 
-use crate::error::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind, Escaped, must_escape};
 
 // ---------------------------------------------------------------------------------------------
 // Errors
@@ -20,24 +20,8 @@ pub struct ConfigError {
     pub message: String,
 }
 
-/// Text echoed from the input with its control characters escaped (`\n`, `\u{7}`), so that an
-/// error stays one line and input cannot forge log lines.
-pub(super) struct Escaped<'a>(&'a str);
-
-impl fmt::Display for Escaped<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for c in self.0.chars() {
-            if c.is_control() {
-                write!(f, "{}", c.escape_default())?;
-            } else {
-                write!(f, "{c}")?;
-            }
-        }
-        Ok(())
-    }
-}
-
 impl fmt::Display for ConfigError {
+    /// Path and message escaped (`Escaped`): the input they echo stays on one line.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (path, message) = (Escaped(&self.path), Escaped(&self.message));
         match (self.path.is_empty(), self.line) {
@@ -163,21 +147,16 @@ pub(super) fn py_str(s: &str) -> String {
                 out.push('\\');
                 out.push(c);
             }
-            c if (c as u32) < 0x100 && c.is_control() => out.push_str(&format!("\\x{:02x}", c as u32)),
-            c if c.is_control() => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c if must_escape(c) => out.push_str(&match c as u32 {
+                n @ ..0x100 => format!("\\x{n:02x}"),
+                n @ ..0x10000 => format!("\\u{n:04x}"),
+                n => format!("\\U{n:08x}"),
+            }),
             c => out.push(c),
         }
     }
     out.push(quote);
     out
-}
-
-/// Text the seed prints raw (user names, serde_yaml's messages, which may quote keys raw) with
-/// its control characters escaped: a line break would split the one-error-per-line output.
-pub(super) fn one_line(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
-        .collect()
 }
 
 /// Python's `repr(list_of_str)`: the form the seed's error texts print name lists in.

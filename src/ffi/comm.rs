@@ -9,7 +9,7 @@ use super::error::FfiError;
 use super::error::last_error_message;
 use super::handle::{
     arg_ref, arg_slice, check_data, check_disjoint, check_struct_size, free_handle, into_handle, invalid,
-    out_array, write_array, write_out,
+    out_array, struct_size_of, write_array, write_out,
 };
 use super::norm::{
     FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
@@ -128,8 +128,12 @@ pub extern "C" fn fsdpturbo_comm_host_new(
     out_comm: *mut *mut fsdpturbo_comm_t,
 ) -> i32 {
     boundary(|| {
+        check_struct_size(
+            struct_size_of(callbacks, "callbacks")?,
+            HOST_COLLECTIVE_V1_SIZE,
+            "fsdpturbo_host_collective_t",
+        )?;
         let c = arg_ref(callbacks, "callbacks")?;
-        check_struct_size(c.struct_size, HOST_COLLECTIVE_V1_SIZE, "fsdpturbo_host_collective_t")?;
         if c.world_size == 0 || c.rank >= c.world_size {
             return Err(invalid(format!(
                 "callbacks: rank {} is outside a group of {} ranks",

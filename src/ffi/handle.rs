@@ -49,8 +49,9 @@ pub(crate) fn arg_str<'a>(ptr: *const c_char, name: &str) -> Result<&'a str, Ffi
     })
 }
 
-/// An array argument of `len` elements; NULL is accepted when `len` is 0.
-/// `name` is formatted only when the argument is refused (pass `format_args!` for an indexed name).
+/// An array argument of `len` elements; NULL is accepted when `len` is 0. Aligned and within
+/// the address space as [`check_array`] requires. `name` is formatted only when the argument is
+/// refused (pass `format_args!` for an indexed name).
 pub(crate) fn arg_slice<'a, T>(
     ptr: *const T,
     len: usize,
@@ -62,8 +63,24 @@ pub(crate) fn arg_slice<'a, T>(
     if ptr.is_null() {
         return Err(null(&name.to_string()));
     }
-    // SAFETY: the caller guarantees `len` readable elements.
+    if let Some(fault) = array_fault(ptr, len) {
+        return Err(invalid(format!("`{name}` {fault}")));
+    }
+    // SAFETY: non-NULL, aligned, in range; the caller guarantees `len` readable elements.
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// Why a non-NULL array of `len` elements at `ptr` cannot be a slice (misaligned, or more bytes
+/// than the address space or `isize::MAX`), or None.
+fn array_fault<T>(ptr: *const T, len: usize) -> Option<String> {
+    let size = std::mem::size_of::<T>();
+    if (ptr as usize) % std::mem::align_of::<T>() != 0 {
+        return Some(format!("({ptr:p}) is not aligned to its {size}-byte element type"));
+    }
+    match len.checked_mul(size) {
+        Some(bytes) if bytes <= isize::MAX as usize && (ptr as usize).checked_add(bytes).is_some() => None,
+        _ => Some(format!("has {len} elements, too many for the address space")),
+    }
 }
 
 /// An array of `len` C strings.
@@ -221,16 +238,10 @@ pub(crate) fn check_array<'n, T>(ptr: *const T, len: usize, name: &'n str) -> Re
             format!("argument `{name}` is NULL but must hold {len} elements"),
         ));
     }
-    let size = std::mem::size_of::<T>();
-    if (ptr as usize) % std::mem::align_of::<T>() != 0 {
-        return Err(invalid(format!("`{name}` ({ptr:p}) is not aligned to its {size}-byte element type")));
+    if let Some(fault) = array_fault(ptr, len) {
+        return Err(invalid(format!("`{name}` {fault}")));
     }
-    match len.checked_mul(size) {
-        Some(bytes) if bytes <= isize::MAX as usize && (ptr as usize).checked_add(bytes).is_some() => {
-            Ok(Region { bytes, ..region })
-        }
-        _ => Err(invalid(format!("`{name}`: {len} elements are too many for the address space"))),
-    }
+    Ok(Region { bytes: len * std::mem::size_of::<T>(), ..region })
 }
 
 /// A checked input array.

@@ -7,7 +7,7 @@ use super::config::fsdpturbo_config_t;
 use super::error::FfiError;
 use super::handle::{
     arg_mut, arg_ref, arg_slice, arg_str, arg_strs, check_struct_size, free_handle, into_handle, invalid,
-    write_out, write_slice, write_string,
+    struct_size_of, write_out, write_slice, write_string,
 };
 use super::panic::boundary;
 use super::topology::fsdpturbo_topology_t;
@@ -31,6 +31,11 @@ impl fsdpturbo_plan_t {
         Ok(plan::rank_plan(&self.plan, &self.tree, &self.topology, self.bf16, rank)?)
     }
 }
+
+/// The most experts one EP module may have: a larger count is a plan error, and the
+/// checkpoint converter refuses per-expert keys numbered beyond it.
+pub const FSDPTURBO_MAX_EXPERTS: u64 = 65_536;
+const _: () = assert!(FSDPTURBO_MAX_EXPERTS == plan::MAX_EXPERTS);
 
 /// Parameter roles (fsdpturbo_plan_param_role).
 pub const FSDPTURBO_PARAM_EXPERT: i32 = 0;
@@ -57,8 +62,9 @@ pub struct fsdpturbo_model_desc_t {
 
 const MODEL_DESC_V1_SIZE: usize = std::mem::size_of::<fsdpturbo_model_desc_t>();
 
-fn model_tree(desc: &fsdpturbo_model_desc_t) -> Result<ModelTree, FfiError> {
-    check_struct_size(desc.struct_size, MODEL_DESC_V1_SIZE, "fsdpturbo_model_desc_t")?;
+fn model_tree(desc: *const fsdpturbo_model_desc_t) -> Result<ModelTree, FfiError> {
+    check_struct_size(struct_size_of(desc, "desc")?, MODEL_DESC_V1_SIZE, "fsdpturbo_model_desc_t")?;
+    let desc = arg_ref(desc, "desc")?;
     let model_type = arg_str(desc.model_type, "desc.model_type")?;
     let modules = arg_strs(desc.module_names, desc.n_modules, "desc.module_names")?;
     let names = arg_strs(desc.param_names, desc.n_params, "desc.param_names")?;
@@ -102,7 +108,7 @@ pub extern "C" fn fsdpturbo_plan_resolve(
     boundary(|| {
         let (config, topology) = (arg_ref(config, "config")?, arg_ref(topology, "topology")?);
         let out = arg_mut(out, "out")?;
-        let tree = model_tree(arg_ref(desc, "desc")?)?;
+        let tree = model_tree(desc)?;
         *out = into_handle(resolve(tree, config.config(), &topology.topology)?);
         Ok(())
     })

@@ -96,6 +96,46 @@ pub extern "C" fn fsdpturbo_safetensors_to_json(
     })
 }
 
+/// The header's tensor names in file order, concatenated (NUL-terminated as a whole, `cap`
+/// bytes at `buf`; `*out_len` receives the bytes needed with the NUL, a short buffer gives
+/// FSDPTURBO_ERR_BUFFER_TOO_SMALL). fsdpturbo_safetensors_tensor_layout gives each name's
+/// length: with the two, a reader learns the tensors without fsdpturbo_safetensors_to_json.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_safetensors_tensor_names(
+    file: *const fsdpturbo_safetensors_t,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> i32 {
+    boundary(|| {
+        let names: String = arg_ref(file, "file")?.header.tensors.iter().map(|t| t.name.as_str()).collect();
+        write_string(buf, cap, out_len, &names, "buf")
+    })
+}
+
+/// Per tensor of the header in file order, `3 + ndim` values: the length of its name in
+/// fsdpturbo_safetensors_tensor_names in characters (Unicode scalar values), the offset of its
+/// first byte in the file, its number of dims, then its dims. `cap` values at `buf`;
+/// `*out_len` receives the number needed, a short buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_safetensors_tensor_layout(
+    file: *const fsdpturbo_safetensors_t,
+    buf: *mut u64,
+    cap: usize,
+    out_len: *mut usize,
+) -> i32 {
+    boundary(|| {
+        let header = &arg_ref(file, "file")?.header;
+        let mut layout = Vec::new();
+        for t in &header.tensors {
+            let chars = t.name.chars().count() as u64;
+            layout.extend([chars, header.data_start + t.data_offsets.0, t.shape.len() as u64]);
+            layout.extend_from_slice(&t.shape);
+        }
+        write_slice(buf, cap, out_len, &layout, "buf")
+    })
+}
+
 /// Plans the reads of one rank's local slice of a tensor of `global_shape` (`ndim` dims)
 /// placed by `placements` on a mesh of `mesh_shape` (`mesh_ndim` dims and placements), exactly
 /// as torch DTensor slices it (uneven and empty shards, _StridedShard; PARTIAL is refused).

@@ -76,6 +76,24 @@ def test_incomplete_per_expert_weights_are_named(tmp_path):
     del tensors["model.layers.0.mlp.experts.1.up_proj.weight"]
     (tmp_path / "hf").mkdir()
     save_file(tensors, tmp_path / "hf" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight is missing"):
+    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight' is missing"):
         convert.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
     assert convert.main(["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+
+
+def test_a_small_file_naming_a_huge_expert_index_is_refused_at_once(tmp_path):
+    """A 128-byte file naming expert 100000000 once made `to-dcp` allocate 3.3 GB and die."""
+    import time
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"model.layers.0.mlp.experts.100000000.gate_proj.weight": torch.zeros(1)},
+              tmp_path / "hf" / "model.safetensors")
+    assert os.path.getsize(tmp_path / "hf" / "model.safetensors") < 200
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj' would have 100000001 experts .* more than the "
+                                         r"limit of 65536"):
+        convert.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert time.monotonic() - started < 5
+    assert not os.path.exists(tmp_path / "dcp")

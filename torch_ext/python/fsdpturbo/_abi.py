@@ -36,6 +36,7 @@ FSDPTURBO_PLACEMENT_SHARD = 0
 FSDPTURBO_PLACEMENT_STRIDED_SHARD = 1
 FSDPTURBO_PLACEMENT_REPLICATE = 2
 FSDPTURBO_PLACEMENT_PARTIAL = 3
+FSDPTURBO_MAX_EXPERTS = 65536
 FSDPTURBO_PARAM_EXPERT = 0
 FSDPTURBO_PARAM_IGNORED = 2
 FSDPTURBO_PARAM_DENSE = 3
@@ -300,6 +301,8 @@ FUNCTIONS = {
     'fsdpturbo_safetensors_parse': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_safetensors_free': (None, [_c.c_void_p]),
     'fsdpturbo_safetensors_to_json': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_safetensors_tensor_names': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_safetensors_tensor_layout': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_safetensors_read_plan_new': (_c.c_int32, [_c.POINTER(_c.c_void_p), _c.c_size_t, _c.POINTER(_c.c_char_p), _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(fsdpturbo_placement_t), _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_read_plan_free': (None, [_c.c_void_p]),
     'fsdpturbo_read_plan_ranges': (_c.c_int32, [_c.c_void_p, _c.POINTER(fsdpturbo_byte_range_t), _c.c_size_t, _c.POINTER(_c.c_size_t)]),

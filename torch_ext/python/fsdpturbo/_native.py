@@ -79,10 +79,11 @@ class FsdpturboKeyError(FsdpturboError, KeyError):
 
 
 def last_error():
+    """The library's last error on this thread, whole (`buf.value` would stop at a NUL)."""
     n = lib.fsdpturbo_last_error(None, 0)
     buf = ctypes.create_string_buffer(n + 1)
-    lib.fsdpturbo_last_error(buf, n + 1)
-    return buf.value.decode("utf-8", "replace")
+    n = min(n, lib.fsdpturbo_last_error(buf, n + 1))
+    return buf.raw[:n].decode("utf-8", "replace")
 
 
 def check(status):
@@ -108,27 +109,37 @@ def host_isa():
 
 
 def string_out(fn, *args):
-    """Calls a `(..., char *buf, size_t cap, size_t *out_len)` function twice: size, then text."""
-    needed = ctypes.c_size_t(0)
-    status = fn(*args, None, 0, ctypes.byref(needed))
-    if status not in (OK, BUFFER_TOO_SMALL):
-        check(status)
-    buf = ctypes.create_string_buffer(needed.value)
-    check(fn(*args, buf, needed.value, ctypes.byref(needed)))
-    return buf.value.decode("utf-8")
-
-
-def u64_out(fn, *args, capacity=64):
-    """Calls a `(..., uint64_t *buf, size_t cap, size_t *out_len)` function; returns a list."""
+    """Calls a `(..., char *buf, size_t cap, size_t *out_len)` function: size, then text, again
+    while the text grew in between (a registration on another thread)."""
+    capacity = 0
     while True:
-        buf = (ctypes.c_uint64 * capacity)()
+        buf = ctypes.create_string_buffer(capacity) if capacity else None
+        needed = ctypes.c_size_t(0)
+        status = fn(*args, buf, capacity, ctypes.byref(needed))
+        if status == BUFFER_TOO_SMALL and needed.value > capacity:
+            capacity = needed.value
+            continue
+        check(status)
+        return buf.raw[:needed.value - 1].decode("utf-8")  # `needed` counts the NUL
+
+
+def u64_view(fn, *args, capacity=64):
+    """Calls a `(..., uint64_t *buf, size_t cap, size_t *out_len)` function, again while the
+    buffer is too small; returns a memoryview of the values (no Python int until indexed)."""
+    while True:
+        buf = (ctypes.c_uint64 * max(capacity, 1))()
         n = ctypes.c_size_t(0)
         status = fn(*args, buf, capacity, ctypes.byref(n))
         if status == BUFFER_TOO_SMALL and n.value > capacity:
             capacity = n.value
             continue
         check(status)
-        return list(buf[: n.value])
+        return memoryview(buf).cast("B").cast("Q")[: n.value]
+
+
+def u64_out(fn, *args, capacity=64):
+    """`u64_view` as a list."""
+    return list(u64_view(fn, *args, capacity=capacity))
 
 
 TopologyOptions = _abi.fsdpturbo_topology_options_t

@@ -12,10 +12,13 @@ A checkpoint is a directory:
 `model/` and `optimizer/` are exactly what LlamaFactory's fsdp2 `save_checkpoint` writes, so
 either side loads the other's checkpoints. DCP stores every tensor with its global shape and
 reshards on load: a checkpoint saved at one (ep, efsdp, edp, cp, world size) loads at any other
-the model allows, ep = 1 included. A save goes to `<path>.partial` and is renamed into place
-only once every rank has written, so a crash mid-save leaves the previous checkpoint intact.
+the model allows, ep = 1 included. A save goes to a directory of its own (`fsdpturbo.staging`)
+and is renamed into place only once every rank has written and it is on disk, so a crash
+mid-save leaves the previous checkpoint intact; only a checkpoint is replaced.
 """
 import contextlib
+import glob
+import hashlib
 import json
 import logging
 import os
@@ -25,12 +28,15 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from .consistency import check_same_on_every_rank, collective_step, every_rank_error, failure_of
 from .progress import Progress
+from .safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain, plain_bytes
+from .staging import check_target, new_staging, normalised, replace, write_synced
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +48,13 @@ _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=True)
 
 
 class CheckpointError(RuntimeError):
-    """A DCP save or load failed on some rank (raised on every rank, naming each failure)."""
+    """A save or load failed on some rank: raised on every rank, naming each failing rank and
+    its cause; also a ValueError, FileNotFoundError, ... when every cause is one (with one
+    process, a failure before DCP's own reads and writes raises its cause itself)."""
 
 
 @contextlib.contextmanager
-def _on_every_rank(action, path):
+def dcp_failures(action):
     """DCP reports a failure on any rank as a `CheckpointException` on every rank, which is a
     BaseException (an `except Exception` misses it): re-raised as a CheckpointError naming
     each rank's cause."""
@@ -55,9 +63,13 @@ def _on_every_rank(action, path):
     try:
         yield
     except CheckpointException as e:
-        causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
-                           for rank, (error, _) in sorted(e.failures.items()))
-        raise CheckpointError(f"fsdpturbo: {action} {path!r} failed ({causes})") from e
+        raise every_rank_error(action, {rank: failure_of(error) for rank, (error, _) in e.failures.items()},
+                               CheckpointError) from e
+
+
+def _on_every_rank(action, step):
+    """`step()` on this rank, then every rank raises a CheckpointError if it failed on any."""
+    return collective_step(action, step, CheckpointError)
 
 
 def _rank():
@@ -66,11 +78,6 @@ def _rank():
 
 def _world():
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _tensor_bytes(state):
@@ -100,8 +107,9 @@ class _SavePlanner(DefaultSavePlanner):
         return data
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, advancing a progress bar as tensors arrive."""
+class _LoadPlanner(SafeLoadPlanner):
+    """DCP's load planner (non-tensor entries read without code), advancing a progress bar as
+    tensors arrive."""
 
     def __init__(self, bar):
         super().__init__()
@@ -113,11 +121,13 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 def _rng_state():
+    """This rank's RNG states as tensors and plain values (NumPy's key array as a tensor)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        name, key, *rest = numpy.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(key.astype(numpy.int64)), *rest)
     except ImportError:
         pass
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -132,7 +142,8 @@ def _set_rng_state(state):
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        name, key, *rest = state["numpy"]
+        numpy.random.set_state((name, key.numpy().astype(numpy.uint32), *rest))
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is not None and accelerator.type in state:
         torch.get_device_module(accelerator.type).set_rng_state(state[accelerator.type])
@@ -154,69 +165,133 @@ def _layout():
 
 class AsyncCheckpoint:
     """A save in progress (`save_checkpoint(..., async_save=True)`). `wait()` is collective:
-    every rank calls it; it returns once the checkpoint is complete and in place."""
+    every rank calls it; it returns once the checkpoint is complete and in place, or raises
+    (again on a second call) why it is not."""
 
-    def __init__(self, path, futures, finish):
-        self._path = path
-        self._futures = futures
-        self._finish = finish
+    def __init__(self, save, futures):
+        self._save, self._futures, self._outcome = save, futures, None
+        _PENDING[save.path] = self
 
     def wait(self):
-        with _on_every_rank("saving the checkpoint", self._path):
-            for future in self._futures:
-                future.result()
-        self._futures = []
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
+        if self._outcome is None:
+            try:
+                with dcp_failures(self._save.action):
+                    for future in self._futures:
+                        future.result()
+                self._save.finish()
+                self._outcome = True
+            except BaseException as e:
+                self._save.abandon()
+                self._outcome = e
+                raise
+            finally:
+                if _PENDING.get(self._save.path) is self:
+                    del _PENDING[self._save.path]
+        if self._outcome is not True:
+            raise self._outcome
 
 
-def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False):
-    """Saves a training checkpoint of `model` (sharded by `shard_model` or any FSDP2/DTensor
-    model) and `optimizer` (None: weights only) to the directory `path`. `extra`: a dict the
-    caller gets back from `load_checkpoint`; values with a `state_dict()` (LR scheduler, data
-    loader) are saved through it. Each rank's RNG states are saved too. Collective. An existing
-    checkpoint at `path` is replaced only once the new one is complete. With `async_save=True`
-    the tensors are staged to CPU and written in the background: returns an `AsyncCheckpoint`
-    whose `wait()` (collective) completes it; otherwise returns None when done."""
-    path = os.fspath(path)
-    partial = path + ".partial"
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(os.path.join(partial, "rng"))
-    _barrier()
-    states = {"model": get_model_state_dict(model, options=_OPTIONS)}
-    if optimizer is not None:
-        states["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
-    torch.save(_rng_state(), os.path.join(partial, "rng", f"rank{_rank()}.pt"))
+_PENDING = {}  # path -> this process's AsyncCheckpoint to it that is not waited for yet
+_CHECKPOINT = "a checkpoint (a directory holding fsdpturbo.json or model/.metadata)"
+
+
+def _is_checkpoint(directory):
+    return os.path.isfile(os.path.join(directory, MANIFEST)) or \
+        os.path.isfile(os.path.join(directory, "model", ".metadata"))
+
+
+class _Save:
+    """One save: its staging directory (its own, next to `path`) and how it ends. Each step
+    that could fail on some ranks only is a collective step: every rank learns of a failure."""
+
+    def __init__(self, path):
+        self.path, self.staging = path, None
+        self.action = f"saving the checkpoint {path!r}"
+
+    def start(self, extra, optimizer, overwrite):
+        """Rank 0 checks `path`, serialises `extra` and creates the staging directory with the
+        files it writes; every rank learns the staging directory."""
+        def prepare():
+            if _rank() != 0:
+                return None
+            extra_bytes = plain_bytes(_plain(extra), "extra")
+            check_target(self.path, ours=_is_checkpoint, overwrite=overwrite, hint=_CHECKPOINT)
+            staging = new_staging(self.path)
+            try:
+                os.mkdir(os.path.join(staging, "rng"))
+                write_synced(os.path.join(staging, "extra.pt"), extra_bytes)
+                write_synced(os.path.join(staging, MANIFEST), _manifest_bytes(extra, optimizer))
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            return staging
+
+        self.staging = _on_every_rank(self.action, prepare)[0]
+
+    def write_rng(self):
+        file = os.path.join(self.staging, "rng", f"rank{_rank()}.pt")
+        _on_every_rank(self.action, lambda: write_synced(file, plain_bytes(_rng_state(), "the RNG states")))
+
+    def finish(self):
+        """Every rank's writes are done (DCP's save ends collectively): the staging directory
+        replaces `path`."""
+        def move():
+            if _rank() == 0:
+                replace(self.staging, self.path, ours=_is_checkpoint, hint=_CHECKPOINT)
+
+        _on_every_rank(self.action, move)
+
+    def abandon(self):
+        if _rank() == 0 and self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _manifest_bytes(extra, optimizer):
     step = (extra or {}).get("step")
-    if _rank() == 0:
-        torch.save(_plain(extra), os.path.join(partial, "extra.pt"))
-        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "version": _library_version(), "world_size": _world(),
-                       "layout": _layout(), "optimizer": optimizer is not None,
-                       "step": step if isinstance(step, int) else None},
-                      f, indent=1)
+    return json.dumps({"format": FORMAT, "version": _library_version(), "world_size": _world(), "layout": _layout(),
+                       "optimizer": optimizer is not None, "step": step if isinstance(step, int) else None},
+                      indent=1).encode()
 
-    def finish():
-        _barrier()  # every rank's DCP writes are done
-        if _rank() == 0:
-            _replace(partial, path)
-        _barrier()
 
-    if async_save:
-        groups = _background_groups(len(states))
-        futures = [dcp.async_save(state, checkpoint_id=os.path.join(partial, name), process_group=group,
-                                  no_dist=not dist.is_initialized())
-                   for (name, state), group in zip(states.items(), groups)]
-        return AsyncCheckpoint(path, futures, finish)
-    total = sum(_tensor_bytes(s) for s in states.values())
-    with Progress(total, f"saving {path}") as bar, _on_every_rank("saving the checkpoint", path):
-        for name, state in states.items():
-            dcp.save(state, checkpoint_id=os.path.join(partial, name), planner=_SavePlanner(bar),
-                     no_dist=not dist.is_initialized())
-    finish()
-    return None
+def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False, overwrite=False):
+    """Saves a training checkpoint of `model` (sharded by `shard_model` or any FSDP2/DTensor
+    model) and `optimizer` (None: weights only) to the directory `path`. `extra`: a dict of
+    tensors and plain values the caller gets back from `load_checkpoint`; values with a
+    `state_dict()` (LR scheduler, data loader) are saved through it. Each rank's RNG states are
+    saved too. Collective: a failure on any rank raises CheckpointError on every rank. The save
+    is staged in a directory of its own next to `path` and an existing checkpoint at `path` is
+    replaced only once the new one is complete and on disk; a `path` that holds anything but a
+    checkpoint is not replaced (FileExistsError) unless `overwrite=True`. A save to a path with
+    an asynchronous save pending first waits for it. With `async_save=True` the tensors are
+    staged to CPU and written in the background: returns an `AsyncCheckpoint` whose `wait()`
+    (collective) completes it; otherwise returns None when done."""
+    path = normalised(path)
+    if path in _PENDING:
+        logger.info("fsdpturbo: waiting for the asynchronous save to %s before saving there again", path)
+        _PENDING[path].wait()
+    save = _Save(path)
+    try:
+        save.start(extra, optimizer, overwrite)
+        states = {"model": get_model_state_dict(model, options=_OPTIONS)}
+        if optimizer is not None:
+            states["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+        save.write_rng()
+        if async_save:
+            groups = _background_groups(len(states))
+            futures = [dcp.async_save(state, checkpoint_id=os.path.join(save.staging, name), process_group=group,
+                                      no_dist=not dist.is_initialized())
+                       for (name, state), group in zip(states.items(), groups)]
+            return AsyncCheckpoint(save, futures)
+        total = sum(_tensor_bytes(s) for s in states.values())
+        with Progress(total, f"saving {path}") as bar, dcp_failures(save.action):
+            for name, state in states.items():
+                dcp.save(state, checkpoint_id=os.path.join(save.staging, name), planner=_SavePlanner(bar),
+                         no_dist=not dist.is_initialized())
+        save.finish()
+        return None
+    except BaseException:
+        save.abandon()
+        raise
 
 
 _BACKGROUND_GROUPS = []
@@ -233,17 +308,6 @@ def _background_groups(count):
     return _BACKGROUND_GROUPS[:count]
 
 
-def _replace(new, path):
-    """Moves the complete checkpoint `new` to `path`; an old checkpoint there is moved aside
-    first and deleted last, so at every instant one complete checkpoint exists."""
-    old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(new, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _library_version():
     from ._native import ops
 
@@ -253,14 +317,15 @@ def _library_version():
 def _resolve(path):
     """The checkpoint directory to read: `path`, or when a save was interrupted between its two
     renames, the previous checkpoint it had moved aside (`<path>.old`)."""
-    path = os.fspath(path)
+    path = normalised(path)
     if not os.path.isdir(path) and os.path.isfile(os.path.join(path + ".old", "model", ".metadata")):
         logger.warning("fsdpturbo: %s is missing; loading the previous checkpoint %s.old (a save was interrupted "
                        "while replacing it)", path, path)
         return path + ".old"
     if not os.path.isfile(os.path.join(path, "model", ".metadata")):
         what = "does not exist" if not os.path.exists(path) else "holds no model/.metadata"
-        hint = f" ({path}.partial is an interrupted save)" if os.path.isdir(path + ".partial") else ""
+        interrupted = glob.glob(glob.escape(path) + ".partial-*")
+        hint = f" ({interrupted[0]} is an interrupted save)" if interrupted else ""
         raise FileNotFoundError(f"fsdpturbo: checkpoint {path!r} {what}{hint}; expected a directory written by "
                                 f"fsdpturbo.save_checkpoint (model/ and optimizer/ DCP checkpoints)")
     return path
@@ -280,7 +345,7 @@ def _check_against(state, directory, what):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(directory).read_metadata()
+    metadata = SafeFileSystemReader(directory).read_metadata()
     stored = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state)
     missing, wrong = [], []
@@ -305,10 +370,10 @@ def _check_against(state, directory, what):
     unused = sorted(set(stored) - set(flat))
     if unused:
         logger.info("fsdpturbo: %d tensors of %s are not used by the %s: %s", len(unused), directory, what, unused[:8])
-    _check_file_sizes(metadata, directory)
+    check_file_sizes(metadata, directory)
 
 
-def _check_file_sizes(metadata, directory):
+def check_file_sizes(metadata, directory):
     extents = {}
     for index, info in (metadata.storage_data or {}).items():
         extents.setdefault(info.relative_path, []).append((info.offset + info.length, index.fqn))
@@ -324,27 +389,69 @@ def _check_file_sizes(metadata, directory):
                              f"{end}{more}: a truncated or partly copied checkpoint")
 
 
-def _read(parts, path):
-    """Fills each (state, directory, what) of `parts` from its DCP checkpoint: every part is
-    checked before any tensor is read (the states may share storage with the model), then all
-    are read under one progress bar."""
-    for state, directory, what in parts:
-        _check_against(state, directory, what)
-    with Progress(sum(_tensor_bytes(state) for state, _, _ in parts), f"loading {path}") as bar, \
-            _on_every_rank("loading the checkpoint", path):
-        for state, directory, _ in parts:
-            dcp.load(state, checkpoint_id=directory, planner=_LoadPlanner(bar), no_dist=not dist.is_initialized())
+def _digest(file):
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def checkpoint_fingerprint(path):
+    """What identifies the checkpoint at `path` for a cross-rank comparison: the SHA-256 of its
+    model metadata, which names every tensor, shape and file with its byte ranges."""
+    return {"model/.metadata sha256": _digest(os.path.join(_resolve(path), "model", ".metadata"))}
+
+
+def _load(model, optimizer, path, restore_rng):
+    """The collective read shared by both loads: every rank resolves and checks its copy (the
+    files every part needs, `extra` and its RNG states read without code) in one collective
+    step, the ranks must have read the same checkpoint (its metadata and `extra` digests), then
+    DCP fills the states under one progress bar and they are set. Returns {"where": the
+    directory read, "manifest", "extra": the saved extra, "rng": this rank's RNG states or
+    None, "loaded": the names of the model state}."""
+    action = "loading the checkpoint"  # each rank's cause names its own path
+    model_state = get_model_state_dict(model, options=_OPTIONS)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else None
+    found = {}
+
+    def prepare():
+        where = found["where"] = _resolve(path)
+        manifest = found["manifest"] = _manifest(where)
+        if optim_state is not None and not os.path.isfile(os.path.join(where, "optimizer", ".metadata")):
+            raise ValueError(f"fsdpturbo: checkpoint {where!r} was saved without an optimizer; pass optimizer=None "
+                             f"to load only the weights")
+        parts = [(model_state, "model")] + ([(optim_state, "optimizer")] if optim_state is not None else [])
+        for state, what in parts:
+            _check_against(state, os.path.join(where, what), what)
+        read = [os.path.join(what, ".metadata") for _, what in parts]
+        found["extra"], found["rng"] = {}, None
+        if manifest is not None:
+            read.append("extra.pt")
+            found["extra"] = load_plain(os.path.join(where, "extra.pt"), repr(os.path.join(where, "extra.pt")))
+            if restore_rng and manifest.get("world_size") == _world():
+                rng = os.path.join(where, "rng", f"rank{_rank()}.pt")
+                found["rng"] = load_plain(rng, repr(rng))
+        return {name: _digest(os.path.join(where, name)) for name in read}
+
+    digests = _on_every_rank(action, prepare)
+    check_same_on_every_rank({"checkpoint read (digests of its files)": digests[_rank()]}, action)
+    with Progress(sum(_tensor_bytes(s) for s in (model_state, optim_state) if s is not None),
+                  f"loading {path}") as bar, dcp_failures(f"{action} {found['where']!r}"):
+        for state, what in ((model_state, "model"), (optim_state, "optimizer")):
+            if state is not None:
+                dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(found["where"], what)),
+                         planner=_LoadPlanner(bar), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, model_state, options=_OPTIONS)
+    if optim_state is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=_OPTIONS)
+    found["loaded"] = list(model_state)
+    return found
 
 
 def load_model_weights(model, path):
     """Loads only the model weights of the checkpoint at `path` (this package's or
     LlamaFactory's) into `model`, at whatever layout `model` is sharded, and returns the names
-    loaded (parameters and persistent buffers). Collective."""
-    path = _resolve(path)
-    state = get_model_state_dict(model, options=_OPTIONS)
-    _read([(state, os.path.join(path, "model"), "model")], path)
-    set_model_state_dict(model, state, options=_OPTIONS)
-    return list(state)
+    loaded (parameters and persistent buffers). Collective: a failure on any rank raises
+    CheckpointError on every rank."""
+    return _load(model, None, normalised(path), restore_rng=False)["loaded"]
 
 
 def _manifest(path):
@@ -369,31 +476,17 @@ def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
     only) loads too and returns {}. Each rank's RNG states are restored when the world size equals the
     saving one's (else a warning: there is no rank-to-rank correspondence). Errors name the
     tensor when the checkpoint does not fit the model (another model, shape, dtype) or a file
-    is truncated; nothing is modified then. Collective."""
-    path = _resolve(path)
-    manifest = _manifest(path)
-    if optimizer is not None and not os.path.isfile(os.path.join(path, "optimizer", ".metadata")):
-        raise ValueError(f"fsdpturbo: checkpoint {path!r} was saved without an optimizer; pass optimizer=None to "
-                         f"load only the weights")
-    model_state = get_model_state_dict(model, options=_OPTIONS)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else None
-    parts = [(model_state, os.path.join(path, "model"), "model")]
-    if optim_state is not None:
-        parts.append((optim_state, os.path.join(path, "optimizer"), "optimizer"))
-    _read(parts, path)
-    set_model_state_dict(model, model_state, options=_OPTIONS)
-    if optim_state is not None:
-        set_optimizer_state_dict(model, optimizer, optim_state, options=_OPTIONS)
-    if manifest is None:  # LlamaFactory's: model and optimizer only
-        return {}
-    saved = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    is truncated; nothing is modified then. Collective: a failure on any rank, or ranks that
+    read different checkpoints, raise on every rank."""
+    path = normalised(path)
+    found = _load(model, optimizer, path, restore_rng)
+    saved, manifest = found["extra"], found["manifest"]
     for key, target in (extra or {}).items():
         if hasattr(target, "load_state_dict") and key in saved:
             target.load_state_dict(saved[key])
-    if restore_rng:
-        if manifest.get("world_size") == _world():
-            _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{_rank()}.pt"), weights_only=False))
-        elif _rank() == 0:
-            logger.warning("fsdpturbo: checkpoint %s was saved on %s ranks, this run has %d: RNG states are not "
-                           "restored", path, manifest.get("world_size"), _world())
+    if found["rng"] is not None:
+        _set_rng_state(found["rng"])
+    elif restore_rng and manifest is not None and _rank() == 0:
+        logger.warning("fsdpturbo: checkpoint %s was saved on %s ranks, this run has %d: RNG states are not "
+                       "restored", found["where"], manifest.get("world_size"), _world())
     return saved

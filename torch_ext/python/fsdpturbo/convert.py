@@ -2,8 +2,8 @@
 on a CPU machine with no process group, one tensor at a time (peak memory about the largest
 tensor), with a progress bar and a verifier:
 
-    python -m fsdpturbo.convert to-hf CHECKPOINT OUT [--config HF_DIR] [--max-shard-size 4GB] [--fused]
-    python -m fsdpturbo.convert to-dcp HF_DIR OUT [--fused]
+    python -m fsdpturbo.convert to-hf CHECKPOINT OUT [--config HF_DIR] [--max-shard-size 4GB] [--fused] [--overwrite]
+    python -m fsdpturbo.convert to-dcp HF_DIR OUT [--fused] [--overwrite]
     python -m fsdpturbo.convert verify OUT
 
 CHECKPOINT is a directory of `fsdpturbo.save_checkpoint` or LlamaFactory (its `model/` is read)
@@ -13,8 +13,11 @@ of `--config` (default: those `to-dcp` kept in CHECKPOINT/hf_files). `to-dcp` wr
 a weights-only checkpoint `load_checkpoint`, `dist_config.dcp_path` and `to-hf` read. Every
 output holds `convert-manifest.json`: each tensor's dtype, shape and SHA-256 as written;
 `verify` (run after every conversion unless `--no-verify`) re-reads every tensor and compares.
-A round trip HF -> DCP -> HF gives every tensor back bitwise.
+A round trip HF -> DCP -> HF gives every tensor back bitwise. OUT must be absent or empty
+(`--overwrite` replaces it); the output is written and verified in a directory of its own and
+renamed into place (`fsdpturbo.staging`), so a failed conversion leaves no output.
 """
+import contextlib
 import argparse
 import hashlib
 import json
@@ -26,12 +29,15 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import hf_layout
+from .checkpoint import CheckpointError, check_file_sizes, dcp_failures
 from .progress import Progress
-from .weights import checkpoint_files
+from .safe_load import SafeFileSystemReader, SafeLoadPlanner
+from .staging import check_target, new_staging, normalised, replace
+from .weights import check_files, checkpoint_files
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +64,9 @@ def _entry(tensor):
     return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "sha256": _digest(tensor)}
 
 
-class _CachedReader(FileSystemReader):
-    """A DCP reader that reads the metadata once for the many one-tensor loads."""
+class _CachedReader(SafeFileSystemReader):
+    """A DCP reader (metadata read without code) that reads the metadata once for the many
+    one-tensor loads."""
 
     def read_metadata(self):
         if not hasattr(self, "_metadata"):
@@ -82,7 +89,9 @@ class _DcpTensors:
     def __init__(self, path):
         self.directory = _dcp_directory(path)
         self.reader = _CachedReader(self.directory)
-        stored = self.reader.read_metadata().state_dict_metadata
+        metadata = self.reader.read_metadata()
+        check_file_sizes(metadata, self.directory)
+        stored = metadata.state_dict_metadata
         self.meta = {k: v for k, v in sorted(stored.items()) if isinstance(v, TensorStorageMetadata)}
         skipped = sorted(set(stored) - set(self.meta))
         if skipped:
@@ -91,7 +100,8 @@ class _DcpTensors:
     def read(self, name):
         meta = self.meta[name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load({name: tensor}, storage_reader=self.reader, no_dist=True)
+        with dcp_failures(f"reading {name!r} of {self.directory!r}"):
+            dcp.load({name: tensor}, storage_reader=self.reader, planner=SafeLoadPlanner(), no_dist=True)
         return tensor
 
 
@@ -110,6 +120,25 @@ def _copy_hf_files(source, out):
         if os.path.isfile(os.path.join(source, name)) and not name.endswith(".safetensors") \
                 and name != "model.safetensors.index.json":
             shutil.copy2(os.path.join(source, name), os.path.join(out, name))
+
+
+def _nothing(_):
+    return False
+
+
+@contextlib.contextmanager
+def _staged(out, overwrite):
+    """A directory of its own to write the output in, renamed to `out` when the block succeeds,
+    deleted when it fails. `out` must be absent or empty unless `overwrite`."""
+    out = normalised(out)
+    check_target(out, ours=_nothing, overwrite=overwrite, hint="empty")
+    staging = new_staging(out)
+    try:
+        yield staging
+        replace(staging, out, ours=_nothing, hint="empty")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _write_manifest(out, direction, source, tensors):
@@ -142,10 +171,16 @@ def _header(entries):
     return len(text).to_bytes(8, "little") + text
 
 
-def dcp_to_hf(checkpoint, out, *, config=None, max_shard_bytes=4 << 30, per_expert=True, check=True):
+def dcp_to_hf(checkpoint, out, *, config=None, max_shard_bytes=4 << 30, per_expert=True, check=True,
+              overwrite=False):
     """Writes the model tensors of the DCP `checkpoint` as a Hugging Face safetensors directory
     `out`; returns the number of tensors written. See the module docstring."""
     source = _DcpTensors(checkpoint)
+    with _staged(out, overwrite) as staging:
+        return _write_hf(source, checkpoint, staging, config, max_shard_bytes, per_expert, check)
+
+
+def _write_hf(source, checkpoint, out, config, max_shard_bytes, per_expert, check):
     kept = os.path.join(os.fspath(checkpoint), HF_FILES)
     config = config or (kept if os.path.isdir(kept) else None)
     tied = _tied(config)
@@ -159,14 +194,13 @@ def dcp_to_hf(checkpoint, out, *, config=None, max_shard_bytes=4 << 30, per_expe
         meta = source.meta[name]
         dtype = meta.properties.dtype
         if dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"fsdpturbo convert: {name} has dtype {dtype}, which safetensors cannot hold")
+            raise ValueError(f"fsdpturbo convert: {name!r} has dtype {dtype}, which safetensors cannot hold")
         for key, piece in pieces(name, torch.empty(meta.size, dtype=dtype, device="meta")):
             entries.append((key, dtype, tuple(piece.shape), piece.numel() * dtype.itemsize))
             owner[key] = name
     files = _plan_files(entries, max_shard_bytes)
     file_names = ["model.safetensors"] if len(files) == 1 else \
         [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    os.makedirs(out, exist_ok=True)
     if config:
         _copy_hf_files(config, out)
     tensors, held = {}, (None, None)
@@ -208,11 +242,17 @@ class _LazySavePlanner(DefaultSavePlanner):
         return tensor
 
 
-def hf_to_dcp(hf_dir, out, *, per_expert=True, check=True):
+def hf_to_dcp(hf_dir, out, *, per_expert=True, check=True, overwrite=False):
     """Writes the Hugging Face safetensors checkpoint `hf_dir` as the DCP checkpoint OUT/model
     (per-expert weights fused unless `per_expert=False`); returns the number of tensors."""
+    with _staged(out, overwrite) as staging:
+        return _write_dcp(hf_dir, staging, per_expert, check)
+
+
+def _write_dcp(hf_dir, out, per_expert, check):
     from safetensors import safe_open
 
+    check_files(hf_dir)
     handles = [safe_open(f, framework="pt") for f in checkpoint_files(hf_dir)]
     where = {key: h for h in handles for key in h.keys()}
     sources = hf_layout.fuse(list(where)) if per_expert else {k: k for k in where}
@@ -267,6 +307,7 @@ def verify(out):
         source = _DcpTensors(out)
         found, read = set(source.meta), source.read
     else:
+        check_files(out)
         handles = [safe_open(f, framework="pt") for f in checkpoint_files(out)]
         where = {key: h for h in handles for key in h.keys()}
         found, read = set(where), lambda key: where[key].get_tensor(key)
@@ -279,7 +320,7 @@ def verify(out):
             tensor = read(name)
             got = _entry(tensor)
             if got != expected[name]:
-                raise ValueError(f"fsdpturbo convert: {name} in {out!r} does not match the manifest: read {got}, "
+                raise ValueError(f"fsdpturbo convert: {name!r} in {out!r} does not match the manifest: read {got}, "
                                  f"written {expected[name]}")
             bar.update(tensor.numel() * tensor.element_size())
     return len(expected)
@@ -311,18 +352,20 @@ def main(argv=None):
         command.add_argument("--fused", action="store_true", help="keep expert tensors as stored (no per-expert "
                                                                   "split or fusion)")
         command.add_argument("--no-verify", action="store_true")
+        command.add_argument("--overwrite", action="store_true", help="replace OUT when it is not empty")
     check = commands.add_parser("verify", help="re-read a conversion output against its manifest")
     check.add_argument("out")
     args = parser.parse_args(argv)
     try:
         if args.command == "to-hf":
             n = dcp_to_hf(args.checkpoint, args.out, config=args.config, max_shard_bytes=args.max_shard_size,
-                          per_expert=not args.fused, check=not args.no_verify)
+                          per_expert=not args.fused, check=not args.no_verify, overwrite=args.overwrite)
         elif args.command == "to-dcp":
-            n = hf_to_dcp(args.hf_dir, args.out, per_expert=not args.fused, check=not args.no_verify)
+            n = hf_to_dcp(args.hf_dir, args.out, per_expert=not args.fused, check=not args.no_verify,
+                          overwrite=args.overwrite)
         else:
             n = verify(args.out)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{args.command}: {n} tensors" + ("" if args.command == "verify" or args.no_verify else ", verified"))

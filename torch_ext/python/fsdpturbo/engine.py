@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import balance, expert_bias
-from .checkpoint import load_model_weights
+from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
-from .consistency import check_same_on_every_rank, model_structure
+from .consistency import check_same_on_every_rank, collective_step, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
 from .dispatch import Capacity
@@ -24,7 +24,7 @@ from .norm import warmup_grad_norm
 from .plan import resolve_plan
 from .spec import FSDPTurboEPModelSpec
 from .topology import ParallelState, get_parallel_state, initialize_parallel_state
-from .weights import load_hf_weights
+from .weights import checkpoint_fingerprint as weights_fingerprint, load_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,27 @@ def _state_for(config, device_type):
     return state
 
 
+def _read_inputs(train_config, weights):
+    """The parsed training configuration (once: the state and the plan read this object) and
+    the fingerprints of the checkpoints it and `weights` name, in one collective step: a rank
+    whose configuration does not parse or whose checkpoint cannot be read makes every rank raise
+    a ValueError naming it."""
+    parsed = {}
+
+    def read():
+        config = parsed["config"] = TrainConfig.of(train_config)
+        dcp_path = (config.values.get("dist") or {}).get("dcp_path")
+        sources = {}
+        if weights is not None:
+            sources["weights checkpoint"] = weights_fingerprint(weights)
+        if dcp_path:
+            sources["dist_config.dcp_path checkpoint"] = dcp_fingerprint(dcp_path)
+        return sources
+
+    sources = collective_step("shard_model: reading the training configuration and checkpoints", read, ValueError)
+    return parsed["config"], sources[dist.get_rank() if dist.is_initialized() else 0]
+
+
 def shard_model(model, train_config, *, weights=None, state=None, device=None):
     """Shards a Hugging Face MoE model for training under `train_config` (a training YAML path,
     YAML text or dict, as `parse_train_config` takes, or a `TrainConfig`; parsed once) and
@@ -148,9 +169,9 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     Collective: every rank calls it with the same arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    config = TrainConfig.of(train_config)  # parsed once: the state and the plan read this object
+    config, sources = _read_inputs(train_config, weights)
     cfg = config.values
-    check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model)},
+    check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model), **sources},
                              "shard_model")
     dist_cfg = cfg.get("dist") or {}
     dcp_path = dist_cfg.get("dcp_path")

@@ -9,6 +9,8 @@ import re
 
 import torch
 
+from ._abi import FSDPTURBO_MAX_EXPERTS as MAX_EXPERTS
+
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 _PER_EXPERT_KEY = re.compile(r"^(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<part>\w+)\.weight$")
 _PARTS = {part for parts in EXPERT_PARTS.values() for part in parts}
@@ -16,11 +18,15 @@ _PARTS = {part for parts in EXPERT_PARTS.values() for part in parts}
 
 def per_expert_keys(name, num_experts):
     """The per-expert checkpoint keys of fused tensor `name`, one row of keys per expert, or
-    None when `name` is not a fused expert tensor."""
+    None when `name` is not a fused expert tensor. More than MAX_EXPERTS experts (the core's
+    limit) is a ValueError: the rows would be sized by a number from a file."""
     prefix, _, leaf = name.rpartition(".")
     parts = EXPERT_PARTS.get(leaf)
     if parts is None or not num_experts:
         return None
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"fsdpturbo: {name!r} would have {num_experts} experts (keys numbered up to "
+                         f"{num_experts - 1}), more than the limit of {MAX_EXPERTS}")
     return [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(num_experts)]
 
 
@@ -41,7 +47,7 @@ def fuse(keys):
             rows = per_expert_keys(f"{prefix}.{leaf}", max(indices) + 1)
             missing = [k for row in rows for k in row if k not in present]
             if missing:
-                raise ValueError(f"fsdpturbo: the per-expert weights of {prefix} are incomplete: {missing[0]} is "
+                raise ValueError(f"fsdpturbo: the per-expert weights of {prefix!r} are incomplete: {missing[0]!r} is "
                                  f"missing ({len(missing)} keys in all)")
             fused[f"{prefix}.{leaf}"] = rows
     return fused

@@ -11,10 +11,12 @@ dim 0; `…experts.{e}.down_proj.weight`), the layout of the Qwen MoE families.
 import bisect
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import math
 import os
+import stat
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,9 @@ def meta_parameters():
 
 def checkpoint_files(path):
     """The safetensors files of a checkpoint: `path` itself, or in a directory the files of
-    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`."""
+    `model.safetensors.index.json`, else `model.safetensors`, else every `*.safetensors`. Each is
+    a regular file (not a FIFO or a device, which would block or never end); an index may name
+    only files inside the directory (ValueError for `../x` or an absolute path)."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return [path]
@@ -59,15 +63,42 @@ def checkpoint_files(path):
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
-            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [_inside(path, name, index) for name in names]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    files = sorted(_inside(path, n, path) for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"fsdpturbo: no .safetensors file in {path!r} (only safetensors checkpoints "
                                 f"are read)")
     return files
+
+
+def _inside(directory, name, where):
+    """The file `name` of the checkpoint `directory`, as `where` names it: a relative path that
+    stays inside the directory (no `..` part) of a regular file. A link inside it may point
+    elsewhere (the Hugging Face cache links each file to its blob)."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.split("/") \
+            or ".." in name.split(os.sep):
+        raise ValueError(f"fsdpturbo: {where!r} names the file {name!r}, which is not inside {directory!r}; a "
+                         f"checkpoint's files must be in its directory")
+    file = os.path.join(directory, name)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"fsdpturbo: {where!r} names the file {name!r}, which does not exist")
+    if not os.path.isfile(file):
+        raise ValueError(f"fsdpturbo: {where!r} names the file {name!r}, which is not a regular file")
+    return file
+
+
+def _open_regular(path):
+    """A read-only descriptor of the regular file `path`: opened without blocking (a FIFO would
+    wait for a writer) and checked before anything is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"fsdpturbo: checkpoint file {path!r} is not a regular file")
+    return fd
 
 
 _TORCH_DTYPES = {  # safetensors dtype names -> torch dtype attribute names (those this torch has)
@@ -94,6 +125,42 @@ def _file_error(path, err):
     return type(err)(message, err.status) if isinstance(err, FsdpturboError) else type(err)(message)
 
 
+def _header_bytes(fd):
+    """The bytes of a safetensors file before its data section (the 8-byte length and the JSON
+    header), as many as its length says within the format's limit; a short file gives fewer (the
+    parser names the bytes needed and given)."""
+    from . import _native
+
+    prefix = os.pread(fd, 8, 0)
+    need = ctypes.c_uint64(0)
+    _native.check(_native.lib.fsdpturbo_safetensors_header_size(prefix, len(prefix), ctypes.byref(need)))
+    return os.pread(fd, need.value, 0)
+
+
+_SAMPLE = 1 << 20  # bytes of data hashed at each end of a file by `checkpoint_fingerprint`
+
+
+def checkpoint_fingerprint(path):
+    """What identifies the safetensors checkpoint at `path` for a cross-rank comparison, cheaply:
+    the path as given and, per file, its size, the SHA-256 of its header (every tensor's name,
+    dtype, shape and byte range) and of a sample of its data (the first and last MiB)."""
+    from ._native import FsdpturboError
+
+    files = {}
+    for file in checkpoint_files(path):
+        fd = _open_regular(file)
+        try:
+            size, header = os.fstat(fd).st_size, _header_bytes(fd)
+            sample = os.pread(fd, _SAMPLE, len(header)) + os.pread(fd, _SAMPLE, max(len(header), size - _SAMPLE))
+            files[os.path.basename(file)] = {"bytes": size, "header sha256": hashlib.sha256(header).hexdigest(),
+                                             "sample sha256": hashlib.sha256(sample).hexdigest()}
+        except FsdpturboError as e:
+            raise _file_error(file, e) from None
+        finally:
+            os.close(fd)
+    return {"path": os.path.normpath(os.fspath(path)), "files": files}
+
+
 class _File:
     """One safetensors file: its header, parsed and validated by the Rust core (offsets that tile
     the data section, sizes that match shapes, a file as long as its header says), and an open
@@ -102,30 +169,34 @@ class _File:
     def __init__(self, path):
         from . import _native
 
-        self.path, self.fd, self.handle = path, os.open(path, os.O_RDONLY), ctypes.c_void_p()
+        self.path, self.fd, self.handle = path, _open_regular(path), ctypes.c_void_p()
         try:
             size = os.fstat(self.fd).st_size
             if hasattr(os, "posix_fadvise"):  # no read-ahead: it would read the other ranks' bytes too
                 os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            prefix = os.pread(self.fd, 8, 0)
-            need = ctypes.c_uint64(0)
-            _native.check(_native.lib.fsdpturbo_safetensors_header_size(prefix, len(prefix), ctypes.byref(need)))
-            header = os.pread(self.fd, need.value, 0)
-            # A short header is reported by the parser (it names the bytes needed and given).
+            header = _header_bytes(self.fd)
             _native.check(_native.lib.fsdpturbo_safetensors_parse(header, len(header), size,
                                                                   ctypes.byref(self.handle)))
-            info = json.loads(_native.string_out(_native.lib.fsdpturbo_safetensors_to_json, self.handle))
+            names = _native.string_out(_native.lib.fsdpturbo_safetensors_tensor_names, self.handle)
+            layout = _native.u64_view(_native.lib.fsdpturbo_safetensors_tensor_layout, self.handle)
         except _native.FsdpturboError as e:
             self.close()
             raise _file_error(path, e) from None
         except BaseException:
             self.close()
             raise
-        self.tensors = {t["name"]: t for t in info["tensors"]}
-        self.data_start = info["data_start"]
-        # Absolute byte ranges of the tensors in file order, to name the tensor of a failed read.
-        self._begins = [self.data_start + t["data_offsets"][0] for t in info["tensors"]]
-        self._names = [t["name"] for t in info["tensors"]]
+        self.header_bytes = len(header)
+        self.tensors = {}  # name -> shape
+        # The first byte of each tensor in file order, to name the tensor of a failed read.
+        self._begins, self._names = [], []
+        at = char = 0
+        while at < len(layout):
+            chars, begin, ndim = layout[at], layout[at + 1], layout[at + 2]
+            name = names[char:char + chars]
+            self.tensors[name] = tuple(layout[at + 3:at + 3 + ndim])
+            self._begins.append(begin)
+            self._names.append(name)
+            at, char = at + 3 + ndim, char + chars
 
     def tensor_at(self, offset):
         i = bisect.bisect_right(self._begins, offset) - 1
@@ -142,8 +213,12 @@ class _File:
             self.fd = None
 
 
+MAX_HEADER_BYTES = 128 << 20  # of all the headers of one checkpoint (real ones total a few MB)
+
+
 class _Checkpoint:
-    """The files of a checkpoint and the reads of each model tensor's local slice."""
+    """The files of a checkpoint and the reads of each model tensor's local slice. Every header
+    is parsed up front and kept: their total size is bounded by MAX_HEADER_BYTES."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -151,6 +226,10 @@ class _Checkpoint:
         try:
             for f in checkpoint_files(path):
                 self.files.append(_File(f))
+                total = sum(file.header_bytes for file in self.files)
+                if total > MAX_HEADER_BYTES:
+                    raise ValueError(f"fsdpturbo: the headers of checkpoint {self.path!r} hold {total} bytes by "
+                                     f"{f!r}, more than the limit of {MAX_HEADER_BYTES}")
         except BaseException:
             self.close()
             raise
@@ -238,11 +317,17 @@ class _Checkpoint:
         return self.read(reads, torch.empty(shape, dtype=dtype))
 
     def _global_shape(self, sources):
-        info = lambda k: self.files[self.where[k]].tensors[k]  # noqa: E731
+        shape = lambda k: self.files[self.where[k]].tensors[k]  # noqa: E731
         if isinstance(sources, str):
-            return tuple(info(sources)["shape"])
-        first = info(sources[0][0])["shape"]
-        return (len(sources), sum(info(k)["shape"][0] for k in sources[0]), *first[1:])
+            return shape(sources)
+        first = shape(sources[0][0])
+        return (len(sources), sum(shape(k)[0] for k in sources[0]), *first[1:])
+
+
+def check_files(path):
+    """Raises the error of the first file of the safetensors checkpoint at `path` that the
+    loader would refuse (its header, its size, the limits): for readers with their own parser."""
+    _Checkpoint(path).close()
 
 
 def _local_target(param, where):

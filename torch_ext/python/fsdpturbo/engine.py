@@ -9,7 +9,6 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import balance, expert_bias
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights

@@ -7,7 +7,7 @@ keeping its chunk; the loss is the whole sequence's on every CP rank (numerators
 LlamaFactory's `sequence_parallel_loss` does), so its backward reaches each rank's chunk once
 per CP rank and every rank's gradient is cp × its chunk's share: summed over the world and
 divided by the world size it is the gradient of the mean over the data-parallel ranks' losses.
-The package's own Ulysses (heads-parallel linear attention too) is issue 24's part 4."""
+The package's own Ulysses (head-parallel linear attention too) is issue 24's part 4."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -1,9 +1,10 @@
 """Builds, offline, what LlamaFactory's trainer needs for the real-consumer test: a tiny
 random Qwen3-MoE saved with `save_pretrained` (the per-expert safetensors layout real
 checkpoints have), a byte-level BPE tokenizer trained with `tokenizers` and carrying a ChatML
-chat template, and a small `messages` jsonl in LlamaFactory v1's format.
+chat template, a small `messages` jsonl in LlamaFactory v1's format and a jsonl of preference
+pairs (`chosen_messages`, `rejected_messages`) for DPO and reward modelling.
 
-    python fixture.py OUT_DIR        # writes OUT_DIR/model/ and OUT_DIR/data.jsonl
+    python fixture.py OUT_DIR        # writes OUT_DIR/model/, OUT_DIR/data.jsonl and OUT_DIR/pairs.jsonl
 """
 import json
 import os
@@ -17,16 +18,36 @@ WORDS = ("expert router token shard gradient mesh rank layer weight batch loss s
          "all to all dispatch combine permute sum mean scatter gather reduce").split()
 
 
+def _message(role, text):
+    return {"role": role, "content": [{"type": "text", "value": text}], "loss_weight": float(role == "assistant")}
+
+
+def _words(rng, low, high):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
 def conversations(count, seed):
+    rng = random.Random(seed)
+    return [{"messages": [_message("user", f"{i}: {_words(rng, 4, 12)}?"), _message("assistant", _words(rng, 6, 20))]}
+            for i in range(count)]
+
+
+def pairs(count, seed):
+    """Short enough that a chosen and a rejected conversation together fit in 128 tokens (a
+    truncated response leaves ORPO's log-odds infinite)."""
     rng = random.Random(seed)
     rows = []
     for i in range(count):
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
-        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20)))
-        rows.append({"messages": [
-            {"role": "user", "content": [{"type": "text", "value": f"{i}: {question}?"}], "loss_weight": 0.0},
-            {"role": "assistant", "content": [{"type": "text", "value": answer}], "loss_weight": 1.0}]})
+        prompt = _message("user", f"{i}: {_words(rng, 2, 5)}?")
+        rows.append({"chosen_messages": [prompt, _message("assistant", _words(rng, 3, 8))],
+                     "rejected_messages": [prompt, _message("assistant", _words(rng, 3, 8))]})
     return rows
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def tokenizer(texts):
@@ -62,9 +83,8 @@ def model(vocab_size):
 def main(out):
     rows = conversations(64, seed=7)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "data.jsonl"), "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    _write_jsonl(os.path.join(out, "data.jsonl"), rows)
+    _write_jsonl(os.path.join(out, "pairs.jsonl"), pairs(64, seed=11))
     texts = [m["content"][0]["value"] for row in rows for m in row["messages"]]
     tok = tokenizer(texts)
     directory = os.path.join(out, "model")

@@ -1,7 +1,8 @@
 """`expert_fully_shard_modules` at the MoE-block level, under the outer FSDP2 that owns the
-router and shared expert: with a context-parallel replica dimension (expert_cp) the gradients
-of experts and router equal the single-process gradient of the mean loss over every rank's
-tokens; the seed's errors for hook modules and implementations."""
+router and shared expert: with context parallelism (each CP rank holds a chunk of every
+sequence, the loss is the whole sequence's on each of them, as in `ulysses`) the gradients of
+experts and router equal the single-process gradient of the mean loss over every token; the
+seed's errors for hook modules and implementations."""
 import pytest
 import torch
 
@@ -22,10 +23,17 @@ class _Layer(torch.nn.Module):
         return self.mlp(x)
 
 
-def _loss(layer, x, cotangent):
-    """Mean over the tokens of a per-token loss."""
+def _loss(layer, x, cotangent, cp_group=None):
+    """Mean over the tokens of a per-token loss; with `cp_group`, `x` is this rank's chunk of a
+    sequence split over the group and the mean is over the whole sequence."""
+    import ulysses
+
     out = layer(x.unsqueeze(0)).squeeze(0)
-    return (out * cotangent).sum(-1).mean()
+    numerator = (out * cotangent).sum()
+    if cp_group is not None:
+        numerator = ulysses.gather_sequence(numerator.reshape(1), cp_group, dim=0).sum()
+        return numerator / (len(x) * torch.distributed.get_world_size(cp_group))
+    return numerator / len(x)
 
 
 def _cp_rank_fn(rank, world, layouts):
@@ -54,15 +62,17 @@ def _check_layout(rank, world, cp, ep, efsdp, family):
     # The router and shared expert belong to the outer FSDP2 over dp (experts ignored there).
     experts = list(layer.mlp.experts.parameters())
     fully_shard_outer(layer, state.sub_mesh("dp"), float(world), ignored_params=experts)
+    # Rank r = d · cp + c holds chunk c of sequence d (rows d · cp · T ... (d + 1) · cp · T).
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
-    _loss(layer, x[rows], cotangent[rows]).backward()
+    cp_group = state.sub_mesh("cp").get_group() if cp > 1 else None
+    _loss(layer, x[rows], cotangent[rows], cp_group).backward()
     gate.check_all({f"grad {name}": full(param.grad) for name, param in layer.named_parameters()},
                    f"cp={cp} ep={ep} efsdp={efsdp}")
 
 
 def test_expert_and_router_gradients_are_reduced_over_every_replica():
-    """4 ranks; (cp 2, ep 2): experts replicated over expert_cp; (ep 2, efsdp 2): the router and
-    shared expert replicated over ep."""
+    """4 ranks; (cp 2, ep 2): sequences split over CP groups, experts replicated over expert_cp;
+    (ep 2, efsdp 2): the router and shared expert replicated over ep."""
     layouts = [(2, 2, 1, "qwen3_moe"), (2, 2, 1, "qwen3_5_moe"), (1, 2, 2, "qwen3_5_moe")]
     run_ranks(_cp_rank_fn, 4, layouts, timeout=200)
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import batch, build_model, full
+from test_train import SEQ, batch, build_model, full, positions, rank_loss
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
@@ -68,7 +68,23 @@ def test_storage_dtype_is_set_inside_the_backend(monkeypatch):
     assert model.weight.dtype == torch.bfloat16
 
 
-def test_efsdp_gradient_divide_factor_and_call_time_lookups(monkeypatch):
+class _DataMesh:
+    """LlamaFactory's data mesh (dp, cp), reduced to its size."""
+
+    def __init__(self, dp, cp):
+        self.size = lambda: dp * cp
+
+
+class _DpMesh:
+    """LlamaFactory's dp mesh, reduced to its root: the data mesh."""
+
+    def __init__(self, dp, cp):
+        self._get_root_mesh = lambda: _DataMesh(dp, cp)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_efsdp_gradient_divide_factor_and_call_time_lookups(monkeypatch, cp):
+    """The divide factor is dp · cp (the seed's test: 8 with ep 4 · efsdp 2 and cp 1)."""
     from fsdp_turbo.distributed.expert_parallel import expert_fully_shard_parallel, expert_parallel
     from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine
     from fsdpturbo.llamafactory import state as state_module
@@ -90,13 +106,14 @@ def test_efsdp_gradient_divide_factor_and_call_time_lookups(monkeypatch):
     engine.dist_config = {"ep_dispatcher": "eager", "hook_modules": []}
     engine.ep_size = 4
     engine.ep_fsdp_size = 2
+    engine.fsdp_mesh = _DpMesh(8, cp)
     model = _Model("qwen3_5_moe")
     returned, ignored = engine.prepare_model_ep(model)
     assert returned is model and ignored == set()
     assert [c[0] for c in calls] == ["ep", "efsdp"]
     assert calls[0][1] is ep_mesh and calls[1][1] is efsdp_mesh
     ep_plan, fsdp_plan = calls[1][2], calls[1][3]
-    assert ep_plan.gradient_divide_factor == 8.0
+    assert ep_plan.gradient_divide_factor == 8.0 * cp
     assert ep_plan.apply_efsdp_modules == ["model.language_model.layers.{*}.mlp"]
     assert fsdp_plan.apply_modules == {} and fsdp_plan.fsdp_implementation == "native"
 
@@ -199,12 +216,15 @@ class _RealInterface:
         return self.state.sub_mesh(dim)
 
 
-def _engine_rank_fn(rank, world, ep, init):
+def _engine_rank_fn(rank, world, ep, init, cp):
+    """With cp > 1 each data-parallel rank's sequence is split over its CP group (test_train's
+    Ulysses), whose loss convention is LlamaFactory's `sequence_parallel_loss`'s."""
     import fsdpturbo
+    import ulysses
     from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine, clip_grad_norm_
     from fsdpturbo.weights import meta_parameters
 
-    base = fsdpturbo.ParallelState(world).init_device_meshes("cpu")  # LlamaFactory's data and model meshes
+    base = fsdpturbo.ParallelState(world, cp_size=cp).init_device_meshes("cpu")  # LlamaFactory's data and model meshes
     interface = _RealInterface(base)
     from fsdpturbo.parity import Reference
 
@@ -226,26 +246,30 @@ def _engine_rank_fn(rank, world, ep, init):
     engine = FSDPTurboFSDP2Engine({"ep_size": ep, "ep_dispatcher": "eager", "fsdp_ignored_modules": ignored},
                                   bf16=False, dist_interface=interface, weights=weights)
     model = engine.shard_model(model)
+    if cp > 1:
+        ulysses.install(model, base.sub_mesh("cp").get_group())
     from torch.distributed.tensor import DTensor
 
     assert isinstance(model.model.norm.weight, DTensor) != bool(ignored)
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     # As in LlamaFactory: EFSDP only when efsdp > 1; with efsdp = 1 EP alone reduces the experts.
-    assert experts.device_mesh.mesh_dim_names == (("efsdp", "ep") if ep < world else ("ep",))
-    ids = batch(0, world)
-    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    dp = world // cp
+    assert experts.device_mesh.mesh_dim_names == (("efsdp", "ep") if ep < dp else ("ep",))
+    ids = batch(0, world).view(dp, cp * SEQ)
+    rank_loss(model, base, "qwen3_moe", ids).backward()
+    position_ids = {"position_ids": positions("qwen3_moe", dp, cp * SEQ)}
 
     def step_fn(ref, order):
-        ref(input_ids=ids[order], labels=ids[order]).loss.backward()
+        ref(input_ids=ids[order], labels=ids[order], **position_ids).loss.backward()
         return {"grad norm": torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)}
 
-    gate = reference.step(step_fn, rows=world)
+    gate = reference.step(step_fn, rows=dp)
     norm = clip_grad_norm_(model, 0.1)
     assert isinstance(norm, float)
     gate.check("grad norm", norm)
     gate.check_all({f"grad {name}": full(param.grad) for name, param in model.named_parameters()}, "clipped")
 
 
-@pytest.mark.parametrize("ep,init", [(2, "meta"), (4, "default")])
-def test_engine_gradients_and_clip_equal_single_process(ep, init):
-    run_ranks(_engine_rank_fn, 4, ep, init, timeout=200)
+@pytest.mark.parametrize("ep,init,cp", [(2, "meta", 1), (4, "default", 1), (2, "default", 2)])
+def test_engine_gradients_and_clip_equal_single_process(ep, init, cp):
+    run_ranks(_engine_rank_fn, 4, ep, init, cp, timeout=200)

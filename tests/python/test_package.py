@@ -105,3 +105,13 @@ def test_seed_import_paths():
     assert module_name_match("model.layers.{*}.mlp.experts", "model.layers.12.mlp.experts")
     assert EPPlanConfig(apply_modules=["x"]).dispatcher is None
     assert expert_parallelize_modules is fsdpturbo.ep.expert_parallelize_modules
+
+
+def test_the_cpu_flash_attn_stand_in_stays_in_the_llamafactory_tests():
+    """tests/llamafactory/site/flash_attn (FlashAttention's API on SDPA, for LlamaFactory's
+    context parallelism on CPU) is on the path of the LlamaFactory tests only."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("flash_attn")
+    assert spec is None or os.path.join("tests", "llamafactory") not in spec.origin, spec.origin

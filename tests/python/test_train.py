@@ -1,7 +1,8 @@
-"""Training with `fsdpturbo.engine.shard_model` (EP × EFSDP × outer FSDP2) on gloo ranks
-against the same Hugging Face model trained in one process on the whole global batch: losses,
-gathered gradients, grad norms and parameters over 3 AdamW steps, element by element within the
-error model of `fsdpturbo.parity`, in float32 and in bf16 (DESIGN §4.1)."""
+"""Training with `fsdpturbo.engine.shard_model` (EP × EFSDP × outer FSDP2; context parallelism
+through the test-level Ulysses of `ulysses`) on gloo ranks against the same Hugging Face model
+trained in one process on the whole global batch: losses, gathered gradients, grad norms and
+parameters over 3 AdamW steps, element by element within the error model of
+`fsdpturbo.parity`, in float32 and in bf16 (DESIGN §4.1)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -76,26 +77,55 @@ def _layout_state(world, ep, efsdp, cp):
     return fsdpturbo.ParallelState(world, cp_size=cp, ep_size=ep, efsdp_size=efsdp).init_device_meshes("cpu")
 
 
-def loss_and_norm_step(ids):
-    """The one-process reference's step on the batch `ids`: forward and backward, returning the
-    loss and the gradients' total norm (gradients left unclipped)."""
+def positions(family, rows, length):
+    """Position ids of `rows` sequences of `length` tokens: for Qwen3.5 multi-axis mRoPE ids
+    [3, rows, length] whose temporal, height and width axes differ (as over an image's tokens),
+    else the plain [rows, length]."""
+    t = torch.arange(length)
+    ids = torch.stack([t, t // 2, t % 3]) if family == "qwen3_5_moe" else t[None]
+    return ids[:, None].expand(-1, rows, -1).squeeze(0)
+
+
+def loss_and_norm_step(ids, position_ids=None):
+    """The one-process reference's step on the batch `ids` (and `position_ids`, whose last dim
+    is the sequence): forward and backward, returning the loss and the gradients' total norm
+    (gradients left unclipped)."""
 
     def step_fn(model, order):
-        loss = model(input_ids=ids[order], labels=ids[order]).loss
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}  # the same for every row
+        loss = model(input_ids=ids[order], labels=ids[order], **kwargs).loss
         loss.backward()
         return {"loss": loss, "grad norm": torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])}
 
     return step_fn
 
 
+def rank_loss(model, state, family, ids):
+    """The rank's loss on the global batch `ids` [dp, cp · SEQ]: its data-parallel rank's
+    sequence, split over its CP group (Ulysses, `ulysses`) when cp > 1."""
+    import ulysses
+
+    row = ids[state.sub_mesh("dp").get_local_rank()][None]
+    if state.cp_size == 1:
+        return model(input_ids=row, labels=row).loss
+    group = state.sub_mesh("cp").get_group()
+    position_ids = ulysses.chunk(positions(family, 1, row.shape[1]), group)
+    logits = model(input_ids=ulysses.chunk(row, group), position_ids=position_ids).logits
+    return ulysses.causal_lm_loss(logits, ulysses.shifted_labels(row), group)
+
+
 def _train_rank_fn(rank, world, family, layouts):
     """Each step starts the one-process references (float32, float64: fsdpturbo.parity) from the
     sharded model's parameters, so the loss, every gradient and the grad norm are compared at
     the same point; the references then take their AdamW step with the sharded run's (clipped)
-    gradients, so the parameters compare the sharded update with the one-process update."""
+    gradients, so the parameters compare the sharded update with the one-process update. With
+    cp > 1 each data-parallel rank's sequence is cp times as long and split over its CP group
+    (Ulysses): the same tokens as at cp 1, the same number of sequences as data-parallel ranks."""
     from fsdpturbo import clip_grad_norm_
     from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import Reference
+
+    import ulysses
 
     for layout in layouts:
         where = f"{family} {layout}"
@@ -106,16 +136,20 @@ def _train_rank_fn(rank, world, family, layouts):
         config = train_config(ep, efsdp, cp, ignored=ignored, dispatcher=layout.get("dispatcher", "eager"),
                               capacity_factor=layout.get("capacity_factor"))
         model = shard_model(build_model(family), config, state=state)
+        if cp > 1:
+            ulysses.install(model, state.sub_mesh("cp").get_group())
         from torch.distributed.tensor import DTensor
 
         assert isinstance(model.model.embed_tokens.weight, DTensor) != bool(ignored)  # kept whole when ignored
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        dp = world // cp
         for step in range(STEPS):
             reference.load({name: full(param) for name, param in model.named_parameters()})
-            ids = batch(step, world)
-            loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+            ids = batch(step, world).view(dp, cp * SEQ)
+            loss = rank_loss(model, state, family, ids)
             loss.backward()
-            gate = reference.step(loss_and_norm_step(ids), rows=world)
+            position_ids = positions(family, dp, cp * SEQ) if cp > 1 else None
+            gate = reference.step(loss_and_norm_step(ids, position_ids), rows=dp)
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             gate.check("loss", mean_loss / world, f"{where} step {step}")
@@ -134,14 +168,16 @@ LAYOUTS = [dict(ep=2), dict(ep=4), dict(ep=2, efsdp=1), dict(ep=2, cp=2)]
 # Capacity factor 8: every expert can take all of a rank's slots (SEQ tokens × top-2 of 8 experts).
 EXTRA = {"qwen3_moe": [dict(ep=2, ignored=("model.embed_tokens", "model.norm")), dict(ep=2, dispatcher="fused"),
                        dict(ep=2, dispatcher="fused", capacity_factor=8.0)],
-         "qwen3_5_moe": [dict(ep=4, dispatcher="domino"), dict(ep=2, dispatcher="eager", capacity_factor=8.0)]}
+         "qwen3_5_moe": [dict(ep=4, dispatcher="domino"), dict(ep=2, dispatcher="eager", capacity_factor=8.0),
+                         dict(ep=2, cp=2, dispatcher="fused")]}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_three_adamw_steps_equal_single_process(family):
-    """(ep 2, efsdp 2), (ep 4, efsdp 1), (ep 2, efsdp 1, edp 2) and (cp 2, ep 2) on 4 ranks; also
-    parameters kept whole outside FSDP2 (fsdp_ignored_modules), the fused and domino dispatchers
-    and the capacity-bounded dispatch (with room for every slot)."""
+    """(ep 2, efsdp 2), (ep 4, efsdp 1), (ep 2, efsdp 1, edp 2) and (cp 2, ep 2) on 4 ranks, the
+    last with every sequence split over its CP group (Ulysses; Qwen3.5 also fused, with
+    multi-axis mRoPE ids); also parameters kept whole outside FSDP2 (fsdp_ignored_modules), the
+    fused and domino dispatchers and the capacity-bounded dispatch (with room for every slot)."""
     run_ranks(_train_rank_fn, 4, family, LAYOUTS + EXTRA[family], timeout=400)
 
 

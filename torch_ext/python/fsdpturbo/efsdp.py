@@ -14,9 +14,10 @@ that holds a replica or a shard of the parameter, divided by one factor F:
   backward does the same for the expert weights (`fsdpturbo.dispatch.experts.expert_weight`).
 * F defaults to the world size (the plan's `gradient_divide_factor`): each rank's loss is the
   mean over its own equal share of the global batch, so the mean over the global batch is the
-  sum over ranks divided by W. A trainer with another loss convention sets F
-  (`EPPlanConfig.gradient_divide_factor`; LlamaFactory's Ulysses-CP loss is the whole
-  sequence's on every cp rank, so it uses dp).
+  sum over ranks divided by W. With Ulysses context parallelism (LlamaFactory's, verl's) each
+  cp rank's loss is its sequence's whole loss, whose backward reaches each cp rank's chunk once
+  per cp rank: the sum over ranks is again W times the mean's. A trainer with another loss
+  convention sets F (`EPPlanConfig.gradient_divide_factor`).
 
 Only NCCL has `PREMUL_SUM`; elsewhere (gloo, HCCL) a factor other than the group size makes
 FSDP2 reduce with SUM and divide afterwards (`set_force_sum_reduction_for_comms`), instead of

@@ -6,7 +6,7 @@ the expert-mesh state, the model specs, the mixed-mesh grad norm, the FSDP2 engi
 Differences from the seed (DESIGN §4): constructors touch no mesh; sizes come from the Rust
 topology (an optional `efsdp_size` in `dist_config` gives edp > 1); expert gradients are always
 reduced (also with efsdp = 1) and over expert_cp, router and shared-expert gradients over ep;
-the divide factor is dp; the grad norm counts replicas once.
+the divide factor is dp · cp; the grad norm counts replicas once.
 """
 from .engine import FSDP2Engine, FSDPTurboFSDP2Engine, load_checkpoint, save_checkpoint
 from ..spec import FSDPTurboEPModelSpec

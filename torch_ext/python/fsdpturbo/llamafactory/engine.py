@@ -55,8 +55,7 @@ class FSDP2Engine:
     """The outer FSDP2: `shard_model(model)` runs `prepare_model` (wrapping every decoder layer
     and the root over `fsdp_mesh`), materialises meta tensors on the mesh's device, loads
     `weights` (a Hugging Face safetensors checkpoint) through `_copy_weights`, and warms up the
-    grad norm. Gradients: summed over dp and cp, divided by dp (LlamaFactory scales each rank's
-    loss by dp / global tokens)."""
+    grad norm. Gradients: summed over dp and cp, divided by `gradient_divide_factor()`."""
 
     fsdp_mesh = weights = device = dist_interface = None
 
@@ -83,9 +82,17 @@ class FSDP2Engine:
             return torch.device("cpu")
         return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
+    def gradient_divide_factor(self):
+        """F under LlamaFactory's loss convention: dp · cp, the size of the data mesh (dp, cp).
+        The trainer scales each rank's loss by dp / global tokens, and with context parallelism
+        every cp rank backpropagates its sequence's whole loss (its numerators are all-gathered
+        over the cp group, whose backward sums the cp copies), so a gradient summed over dp and
+        cp is dp · cp times the mean's; LlamaFactory's fsdp2 divides by its world mesh alike."""
+        return float(self._mesh()._get_root_mesh().size())
+
     def prepare_model(self, model, ignored_params=None):
-        mesh = self._mesh()
-        return fully_shard_outer(model, mesh, float(mesh.size()), ignored_params=ignored_params or (),
+        return fully_shard_outer(model, self._mesh(), self.gradient_divide_factor(),
+                                 ignored_params=ignored_params or (),
                                  reshard_after_forward=bool(self.dist_config.get("reshard_after_forward", True)))
 
     def _copy_weights(self, param, loaded_tensor):
@@ -133,7 +140,7 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
     def prepare_model_ep(self, model):
         """The seed's EP step: the model type's spec (also required with ep_size 1), its prepare
         function, then with ep > 1 `expert_parallelize_modules` and `expert_fully_shard_modules`
-        (looked up at call time on their fsdp_turbo modules) with a divide factor of dp; as
+        (looked up at call time on their fsdp_turbo modules) with `gradient_divide_factor()`; as
         LlamaFactory does, EFSDP only when efsdp > 1 (with efsdp = 1 expert parallelism alone
         reduces the expert gradients). Returns (model, parameters the outer FSDP2 ignores)."""
         from fsdp_turbo.distributed.expert_parallel import expert_fully_shard_parallel, expert_parallel
@@ -151,8 +158,8 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
             ep_plan = EPPlanConfig(apply_modules=spec.ep_modules,
                                    dispatcher=self.dist_config.get("ep_dispatcher", "eager"),
                                    apply_efsdp_modules=get_ep_fsdp_modules(spec))
-            # dp = ep · efsdp · edp (the seed: ep · efsdp, which is dp only when edp = 1).
-            ep_plan.gradient_divide_factor = float(self.ep_size * state.efsdp_size * getattr(state, "edp_size", 1))
+            # The seed: ep · efsdp, which is right only when edp = cp = 1.
+            ep_plan.gradient_divide_factor = self.gradient_divide_factor()
             fsdp_plan = FSDPPlanConfig(apply_modules={},
                                        hook_modules=self.dist_config.get("hook_modules", []),
                                        fsdp_implementation=self.dist_config.get("fsdp_implementation", "native"))

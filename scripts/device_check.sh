@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA backends, in one go, for an H200 host with the torch 2.11 + CUDA 13 image
-# (python3 with torch, nvcc, cmake, ninja; no Rust, no network). Carry the x86_64 Rust library
-# built on the CPU machine (`cargo build --release` there):
+# GPU check of the CUDA backends, in one go, for a GPU host with torch + CUDA, nvcc, cmake and
+# ninja (no Rust needed, no network). Build the Rust library on an x86_64 machine with Rust,
+# copy the checkout to the GPU host with that library in place, and run the check there:
 #
-#   run(command="bash scripts/device_check.sh", carry=["target/release/libfsdpturbo.so"], timeout_s=420)
+#   cargo build --release                       # on the build machine: target/release/libfsdpturbo.so
+#   bash scripts/device_check.sh                # on the GPU host, in the copied checkout
 #
 # Steps (each prints PASS/FAIL): build the op library against this host's torch (CMake with
 # FSDPTURBO_BUILD_RUST=OFF; torch.utils.cpp_extension as a fallback), the GPU tests

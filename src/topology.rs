@@ -15,8 +15,6 @@ use crate::error::{Error, ErrorKind, Result};
 /// The most ranks a single `Mesh::group` or `Mesh::groups` call materialises. Far above any
 /// real cluster; it only keeps absurd (but valid) sizes such as `world_size = u64::MAX` from
 /// exhausting memory. Coordinates and ranks work at any size.
-///
-/// cbindgen:ignore
 pub const MAX_MATERIALIZED_RANKS: u64 = 1 << 24;
 
 /// The sizes a caller asks for. `None` means "the default formula".

@@ -5,10 +5,8 @@ use super::isa::{self, Isa};
 use crate::error::Result;
 
 /// Kernels that touch at least this many elements use all available cores.
-/// cbindgen:ignore
 pub const PARALLEL_MIN_ELEMS: usize = 1 << 20;
 /// Grouped GEMMs of at least this many flops (2·N·in·out) use all available cores.
-/// cbindgen:ignore
 pub const GEMM_PARALLEL_MIN_FLOPS: usize = 1 << 24;
 
 /// The cores this process may use (1 when unknown).

@@ -13,7 +13,6 @@
 
 namespace fsdpturbo_torch {
 
-// Throws a torch error (a Python RuntimeError/ValueError) carrying the library's message.
 // The FSDPTURBO_DTYPE_* code of a floating-point tensor, or op's error naming what is accepted.
 inline int32_t dtype_code(const at::Tensor& t, const char* op) {
   switch (t.scalar_type()) {
@@ -27,6 +26,7 @@ inline int32_t dtype_code(const at::Tensor& t, const char* op) {
   }
 }
 
+// Throws a torch error (a Python RuntimeError/ValueError) carrying the library's message.
 inline void check(int32_t status, const char* what) {
   if (status == FSDPTURBO_OK) return;
   size_t len = fsdpturbo_last_error(nullptr, 0);
@@ -101,10 +101,11 @@ inline int64_t check_token_unpermute(const at::Tensor& permuted, const at::Tenso
   return top_k;
 }
 
-// Raised by the kernels of devices whose run-time backend is not built yet.
+// The kernel of a device an op has no kernel for: an error naming the op, the device and where
+// it runs.
 [[noreturn]] inline void not_available(const char* op, const c10::Device& device) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::", op, " is not available on this device yet (",
-                              device.str(), "); only CPU tensors are supported in this build");
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::", op, " has no kernel for ", device.str(),
+                              " tensors; it runs on CPU tensors");
 }
 
 }  // namespace fsdpturbo_torch

@@ -1,5 +1,7 @@
-// The `fsdpturbo` op namespace: every schema, and the kernels that take no tensors.
-// Tensor kernels are registered per dispatch key next to their implementation.
+// The `fsdpturbo` op namespace: the schemas of the MoE, slicing and grad-norm ops, and the kernels
+// that take no tensors. Tensor kernels are registered per dispatch key next to their
+// implementation; the NPU token ops and MC2 ops define their schemas with their kernels
+// (token_ops.cpp, npu_ops.cpp).
 #include <string>
 #include <tuple>
 #include <vector>

@@ -28,7 +28,6 @@ use crate::error::{Error, Result};
 
 /// Depth of a K block: every output element is a sum of per-block partial sums, added in
 /// block order. Fixed, so results do not depend on how C is split over threads.
-/// cbindgen:ignore
 pub const GEMM_KC: usize = 256;
 /// Rows of A packed at a time (a multiple of every accumulator type's MR).
 const MC: usize = 72;

@@ -17,7 +17,6 @@ use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::Result;
 
 /// Elements per block: the unit of work of a thread and of the deterministic combine.
-/// cbindgen:ignore
 pub const BLOCK_ELEMS: usize = 1 << 16;
 /// Independent accumulators per loop.
 const LANES: usize = 16;

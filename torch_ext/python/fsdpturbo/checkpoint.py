@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from ._dist import rank, world_size
 from .consistency import check_same_on_every_rank, collective_step, every_rank_error, failure_of
 from .progress import Progress
 from .safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain, plain_bytes
@@ -70,14 +71,6 @@ def dcp_failures(action):
 def _on_every_rank(action, step):
     """`step()` on this rank, then every rank raises a CheckpointError if it failed on any."""
     return collective_step(action, step, CheckpointError)
-
-
-def _rank():
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world():
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _tensor_bytes(state):
@@ -212,7 +205,7 @@ class _Save:
         """Rank 0 checks `path`, serialises `extra` and creates the staging directory with the
         files it writes; every rank learns the staging directory."""
         def prepare():
-            if _rank() != 0:
+            if rank() != 0:
                 return None
             extra_bytes = plain_bytes(_plain(extra), "extra")
             check_target(self.path, ours=_is_checkpoint, overwrite=overwrite, hint=_CHECKPOINT)
@@ -229,26 +222,26 @@ class _Save:
         self.staging = _on_every_rank(self.action, prepare)[0]
 
     def write_rng(self):
-        file = os.path.join(self.staging, "rng", f"rank{_rank()}.pt")
+        file = os.path.join(self.staging, "rng", f"rank{rank()}.pt")
         _on_every_rank(self.action, lambda: write_synced(file, plain_bytes(_rng_state(), "the RNG states")))
 
     def finish(self):
         """Every rank's writes are done (DCP's save ends collectively): the staging directory
         replaces `path`."""
         def move():
-            if _rank() == 0:
+            if rank() == 0:
                 replace(self.staging, self.path, ours=_is_checkpoint, hint=_CHECKPOINT)
 
         _on_every_rank(self.action, move)
 
     def abandon(self):
-        if _rank() == 0 and self.staging is not None:
+        if rank() == 0 and self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _manifest_bytes(extra, optimizer):
     step = (extra or {}).get("step")
-    return json.dumps({"format": FORMAT, "version": _library_version(), "world_size": _world(), "layout": _layout(),
+    return json.dumps({"format": FORMAT, "version": _library_version(), "world_size": world_size(), "layout": _layout(),
                        "optimizer": optimizer is not None, "step": step if isinstance(step, int) else None},
                       indent=1).encode()
 
@@ -426,13 +419,13 @@ def _load(model, optimizer, path, restore_rng):
         if manifest is not None:
             read.append("extra.pt")
             found["extra"] = load_plain(os.path.join(where, "extra.pt"), repr(os.path.join(where, "extra.pt")))
-            if restore_rng and manifest.get("world_size") == _world():
-                rng = os.path.join(where, "rng", f"rank{_rank()}.pt")
+            if restore_rng and manifest.get("world_size") == world_size():
+                rng = os.path.join(where, "rng", f"rank{rank()}.pt")
                 found["rng"] = load_plain(rng, repr(rng))
         return {name: _digest(os.path.join(where, name)) for name in read}
 
     digests = _on_every_rank(action, prepare)
-    check_same_on_every_rank({"checkpoint read (digests of its files)": digests[_rank()]}, action)
+    check_same_on_every_rank({"checkpoint read (digests of its files)": digests[rank()]}, action)
     with Progress(sum(_tensor_bytes(s) for s in (model_state, optim_state) if s is not None),
                   f"loading {path}") as bar, dcp_failures(f"{action} {found['where']!r}"):
         for state, what in ((model_state, "model"), (optim_state, "optimizer")):
@@ -486,7 +479,7 @@ def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
             target.load_state_dict(saved[key])
     if found["rng"] is not None:
         _set_rng_state(found["rng"])
-    elif restore_rng and manifest is not None and _rank() == 0:
+    elif restore_rng and manifest is not None and rank() == 0:
         logger.warning("fsdpturbo: checkpoint %s was saved on %s ranks, this run has %d: RNG states are not "
-                       "restored", found["where"], manifest.get("world_size"), _world())
+                       "restored", found["where"], manifest.get("world_size"), world_size())
     return saved

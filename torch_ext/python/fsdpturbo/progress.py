@@ -11,14 +11,12 @@ _WIDTH = 24
 
 
 def _is_rank0():
-    try:
-        import torch.distributed as dist
+    """Rank 0 of the process group, or, before there is one, of the launcher (RANK)."""
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
-    except ImportError:
-        pass
-    return int(os.environ.get("RANK", "0")) == 0
+    from ._dist import rank
+
+    return rank() == 0 if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
 
 
 def _gb(n):

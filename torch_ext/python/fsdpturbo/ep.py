@@ -10,14 +10,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import dispatch, router_replay
 from .consistency import check_same_on_every_rank, model_structure
-from .dispatch import get_dispatcher_fn  # noqa: F401  (the seed's name; fsdp_turbo's compatibility path)
-from .dispatch.experts import GradientReduction, expert_weight  # noqa: F401  (where the forward reads them)
-from .dispatch.pipeline import fixed_router_for_debug, normalize_expert_args  # noqa: F401  (the seed's names)
+from .dispatch import get_dispatcher_fn  # also imported from here by fsdp_turbo (the seed's path)
+from .dispatch.experts import GradientReduction
 from .efsdp import gradient_divide_factor, replica_groups
 from .layers import decoder_layers
 from .pattern import match_modules
-
-DISPATCHERS = tuple(dispatch.DISPATCHERS)
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
-(`torch.ops.fsdpturbo`: host kernels on CPU; NVRTC-compiled kernels and cuBLAS /
-`torch._grouped_mm` on CUDA), or on Ascend NPUs (and their test double) the aclnn token
-permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
+(`torch.ops.fsdpturbo`, fsdpturbo.dispatch.kernels.OP_LIBRARY: host kernels on CPU;
+NVRTC-compiled kernels and cuBLAS / `torch._grouped_mm` on CUDA), or on Ascend NPUs (and their
+test double) the aclnn token permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
 import dataclasses
 from typing import Optional
 
@@ -10,20 +10,14 @@ import torch.distributed as dist
 
 from .._native import ops
 from . import device, experts
-from .pipeline import Receive, Strategy, run
+from .kernels import OP_LIBRARY
+from .pipeline import Receive, SortedRoute, SortedStrategy, Strategy, run
 
 
-@dataclasses.dataclass
-class Route:
-    permutation: torch.Tensor           # slot rows in send order (`moe_route`)
-    top_k: int
-    receive: Receive
-    per_expert: torch.Tensor            # rows per local expert
-    local_order: Optional[torch.Tensor]  # receive order → local-expert-major (None: one rank, no reorder)
-
-
-class FusedStrategy(Strategy):
+class FusedStrategy(SortedStrategy):
     """The op library's kernels: `moe_route` counts and sorts in one pass."""
+
+    kernels = OP_LIBRARY
 
     @staticmethod
     def count(index, num_experts, ep_size):
@@ -36,22 +30,8 @@ class FusedStrategy(Strategy):
         # sorts by expert id): no local reorder.
         local_order = None if dist.get_world_size(ep_group) == 1 else \
             receive.local_order(module.num_local_experts, index.device)
-        return Route(permutation=permutation, top_k=index.size(1), receive=receive, per_expert=per_expert,
-                     local_order=local_order)
-
-    def permute(self, hidden, route):
-        return ops.moe_permute(hidden.contiguous(), route.permutation, route.top_k)
-
-    def compute(self, module, received, route, ep_group):
-        if route.local_order is None:
-            return experts.grouped_mlp(module, received, route.per_expert, route.receive.tokens_per_local_expert)
-        grouped = ops.moe_permute(received, route.local_order, 1)
-        out = experts.grouped_mlp(module, grouped, route.per_expert, route.receive.tokens_per_local_expert)
-        return ops.moe_unpermute(out, route.local_order, None, out.size(0), 1)
-
-    def unpermute(self, back, route, weights):
-        tokens, top_k = weights.shape
-        return ops.moe_unpermute(back.contiguous(), route.permutation, weights, tokens, top_k)
+        return SortedRoute(permutation=permutation, top_k=index.size(1), receive=receive, local_order=local_order,
+                           per_expert=per_expert)
 
 
 @dataclasses.dataclass

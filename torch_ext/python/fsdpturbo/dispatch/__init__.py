@@ -14,6 +14,7 @@ import dataclasses
 import types
 from typing import Callable, Optional
 
+from ..ep_state import state
 from . import kernels, mc2
 from .capacity import Capacity, CapacityStrategy, capacity_forward
 from .eager import domino_forward, eager_forward
@@ -96,17 +97,17 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False, capacity=None):
 
 
 def moe_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The forward of an expert module under expert parallelism: its bound dispatcher
-    (`self.ep_dispatcher`). A plain function bound with `types.MethodType`, so torch.compile
-    traces it."""
-    return self.ep_dispatcher(self, hidden_states, top_k_index, top_k_weights)
+    """The forward of an expert module under expert parallelism: the bound dispatcher of its
+    state (`fsdpturbo.ep_state`). A plain function bound with `types.MethodType`, so
+    torch.compile traces it."""
+    return state(self).dispatcher(self, hidden_states, top_k_index, top_k_weights)
 
 
-def install(module, forward):
-    """Makes `forward` (a `get_dispatcher_fn` result) the forward of expert module `module`."""
-    module.ep_dispatcher = forward
+def install(module):
+    """Makes the dispatcher of its state (a `get_dispatcher_fn` result) the forward of expert
+    module `module`."""
     module.forward = types.MethodType(moe_forward, module)
 
 
-__all__ = ["BoundDispatcher", "Capacity", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher", "check_implemented",
-           "get_dispatcher_fn", "install", "lookup", "moe_forward"]
+__all__ = ["BoundDispatcher", "Capacity", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher",
+           "check_implemented", "get_dispatcher_fn", "install", "lookup", "moe_forward"]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from .. import expert_stats
+from ..ep_state import state
 from .pipeline import Strategy, run
 
 OVERFLOW_POLICIES = ("drop", "fail")
@@ -96,16 +97,15 @@ def _check_overflow(module, counts, capacity_rows, ep_group):
                             f"fsdpturbo: an expert got more than its capacity of {capacity_rows} rows from a rank "
                             f"(capacity_overflow: fail); run without torch.compile for the layer and the counts")
         return
-    name = getattr(module, "ft_name", type(module).__name__)
     over = gathered > capacity_rows
     if not bool(over.any()):
         return
     ranks = dist.get_process_group_ranks(ep_group)
     expert = int(over.any(0).nonzero()[0, 0])
     per_rank = ", ".join(f"rank {ranks[p]}: {int(gathered[p, expert])}" for p in range(gathered.size(0)))
-    raise RuntimeError(f"fsdpturbo: {name}: expert {expert} got more rows than its capacity of {capacity_rows} per "
-                       f"rank ({per_rank}); capacity_overflow is 'fail' (raise capacity_factor / expert_capacity, "
-                       f"or set capacity_overflow: drop)")
+    raise RuntimeError(f"fsdpturbo: {state(module).name}: expert {expert} got more rows than its capacity of "
+                       f"{capacity_rows} per rank ({per_rank}); capacity_overflow is 'fail' (raise capacity_factor / "
+                       f"expert_capacity, or set capacity_overflow: drop)")
 
 
 @dataclasses.dataclass
@@ -140,7 +140,7 @@ class CapacityStrategy(Strategy):
     def static_receive(self, module, index, ep_group):
         """C for this forward, and each slot's row in the send buffer."""
         tokens, top_k = index.shape
-        num_experts = module.num_global_experts
+        num_experts = state(module).num_global_experts
         rows = self.capacity.rows(tokens, top_k, num_experts)
         flat = index.reshape(-1).long()
         in_range = (flat >= 0) & (flat < num_experts)
@@ -158,7 +158,7 @@ class CapacityStrategy(Strategy):
 
     def route(self, module, index, receive, slot_row, ep_group):
         return SlotRoute(receive=receive, slot_row=slot_row, top_k=index.size(1),
-                         sent_rows=module.num_global_experts * receive.rows)
+                         sent_rows=state(module).num_global_experts * receive.rows)
 
     def permute(self, hidden, route):
         per_slot = self.kernels.slot_rows(hidden, route.top_k)
@@ -167,7 +167,7 @@ class CapacityStrategy(Strategy):
 
     def compute(self, module, received, route, ep_group):
         """The local experts on [L, P · C, H]: each expert's C rows from every rank."""
-        ep_size, local, rows = dist.get_world_size(ep_group), module.num_local_experts, route.receive.rows
+        ep_size, local, rows = dist.get_world_size(ep_group), state(module).num_local_experts, route.receive.rows
         width = received.size(1)
         by_expert = received.view(ep_size, local, rows, width).transpose(0, 1).reshape(local, ep_size * rows, width)
         out = self.kernels.padded_mlp(module, by_expert)

@@ -5,6 +5,7 @@ functional collectives wait only when their result is used) while the first slic
 run; its results equal eager's."""
 import torch
 
+from ..ep_state import state
 from .kernels import TORCH
 from .pipeline import SortedRoute, SortedStrategy, run
 
@@ -14,8 +15,9 @@ class EagerStrategy(SortedStrategy):
 
     def route(self, module, index, receive, kept, ep_group):
         # The permutation: the seed's `sorted`, a stable sort of the flat expert ids.
+        local_order = receive.local_order(state(module).num_local_experts, index.device)
         return SortedRoute(permutation=torch.argsort(index.reshape(-1), stable=True), top_k=index.size(1),
-                           receive=receive, local_order=receive.local_order(module.num_local_experts, index.device))
+                           receive=receive, local_order=local_order)
 
 
 EAGER = EagerStrategy()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._native import ops
+from ..ep_state import state
 from . import device, experts
 from .kernels import OP_LIBRARY
 from .pipeline import Receive, SortedRoute, SortedStrategy, Strategy, run
@@ -29,7 +30,7 @@ class FusedStrategy(SortedStrategy):
         # One rank receives its own rows in send order, already grouped by expert (`moe_route`
         # sorts by expert id): no local reorder.
         local_order = None if dist.get_world_size(ep_group) == 1 else \
-            receive.local_order(module.num_local_experts, index.device)
+            receive.local_order(state(module).num_local_experts, index.device)
         return SortedRoute(permutation=permutation, top_k=index.size(1), receive=receive, local_order=local_order,
                            per_expert=per_expert)
 
@@ -54,7 +55,7 @@ class TokenPermuteStrategy(Strategy):
         return permuted
 
     def compute(self, module, received, route, ep_group):
-        local, ep_size, dev = module.num_local_experts, dist.get_world_size(ep_group), received.device
+        local, ep_size, dev = state(module).num_local_experts, dist.get_world_size(ep_group), received.device
         local_ids = torch.arange(local, device=dev).repeat(ep_size).repeat_interleave(
             torch.tensor(route.receive.blocks, device=dev))
         grouped, local_rows = ops.moe_token_permute(received, local_ids)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from .. import expert_stats
+from ..ep_state import state
 
 
 def normalize_expert_args(top_k_index, top_k_weights):
@@ -59,7 +60,8 @@ def prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
     top_k_index = top_k_index.reshape(hidden.size(0), top_k)
     top_k_weights = top_k_weights.reshape(hidden.size(0), top_k)
     if fixed_router:
-        top_k_index, top_k_weights = fixed_router_for_debug(top_k_index, top_k_weights, module.num_global_experts)
+        top_k_index, top_k_weights = fixed_router_for_debug(top_k_index, top_k_weights,
+                                                            state(module).num_global_experts)
     return hidden, top_k_index, top_k_weights
 
 
@@ -234,7 +236,7 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
         sized = [strategy.static_receive(module, part[1], ep_group) for part in parts]
         outputs = exchange(strategy, module, parts, [s[0] for s in sized], [s[1] for s in sized], ep_group)
     else:
-        num_experts = module.num_global_experts
+        num_experts = state(module).num_global_experts
         counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
         expert_stats.record(module, counts[dist.get_rank(ep_group), :, :num_experts].sum(0))
         outputs = exchange_by_counts(strategy, module, parts, index, counts, kept, ep_group)
@@ -247,7 +249,8 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
 @torch.compiler.disable
 def exchange_by_counts(strategy, module, parts, index, counts, kept, ep_group):
     """`exchange` sized by the gathered counts [P, S, E + 1], read on the host."""
-    num_experts, local = module.num_global_experts, module.num_local_experts
+    ep_state = state(module)
+    num_experts, local = ep_state.num_global_experts, ep_state.num_local_experts
     ep_rank = dist.get_rank(ep_group)
     host_counts = counts.tolist()
     check_ids(index.reshape(-1), index.size(1), num_experts, host_counts, ep_group)

@@ -163,8 +163,8 @@ class Strategy:
         raise NotImplementedError
 
     def route(self, module, index, receive, kept, ep_group):
-        """Routing metadata of one slice from its ids [t, K] and what this rank sends and
-        receives (a `Receive`)."""
+        """Routing metadata of one slice from its ids [t, K], what this rank sends and receives
+        (a `Receive`; with static shapes, what `static_receive` gave) and what the counts kept."""
         raise NotImplementedError
 
     def permute(self, hidden, route):

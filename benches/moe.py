@@ -88,11 +88,13 @@ def expert_load_cost(calls=2000):
     call (this rank's row of the gathered counts summed over slices, added to the module's
     tally) timed alone over `calls` calls, against the block's median time. (An A/B of whole
     blocks cannot resolve it: the blocks' run-to-run noise is larger than the call.)"""
-    from fsdpturbo import expert_stats
+    from fsdpturbo import ep_state, expert_stats
 
     step = block_step("fused", torch.float32)
     block_seconds = median_seconds(step, 7)
     module = torch.nn.Module()
+    ep_state.attach(module, ep_state.EPModuleState(name="experts", num_global_experts=16, num_local_experts=16,
+                                                   ep_rank=0, dispatcher=None, gradient_reduction=None))
     gathered = torch.randint(0, 512, (1, 1, 17))
 
     def record_many():

@@ -6,7 +6,7 @@
 //!   `route` (histogram + stable counting sort + splits), `route_into` into preallocated
 //!   buffers, and, as the in-run reference, the argsort path done with Rust's stable sort
 //!   (`sort_by_key` on the ids + bincount), which is what `torch.argsort(stable=True)` does.
-//!   `receive` for the same shape. The torch `argsort` path itself is measured from Python.
+//!   The torch `argsort` path itself is measured from Python.
 //! - permute / unpermute (bf16, H = 2048, T = 2048 × top-8): GB/s of bytes moved.
 //! - grouped_matmul GFLOP/s for a Qwen3-30B-A3B-like CPU-sized layer: 16 local experts, 2048
 //!   routed rows, H = 2048, I = 768 (gate_up [16, 1536, 2048], down [16, 2048, 768]), forward
@@ -112,12 +112,6 @@ fn routing(rounds: usize) {
     let mut cnt = vec![0u64; e];
     let mut perm = vec![0u64; t * k];
     let mut splits = vec![0u64; p];
-    let gathered: Vec<u64> = (0..p)
-        .flat_map(|s| {
-            let ids = topk_ids(&mut Rng(100 + s as u64), t, k, e);
-            route(&ids, t, k, e, p).unwrap().tokens_per_expert
-        })
-        .collect();
     let rounds = rounds.max(31) * 5;
     let times = bench(
         rounds,
@@ -132,9 +126,6 @@ fn routing(rounds: usize) {
             &mut || {
                 black_box(argsort_route(black_box(&ids), e, p));
             },
-            &mut || {
-                black_box(receive(black_box(&gathered), p, e, 3).unwrap());
-            },
         ],
     );
     println!("routing metadata, T={t} K={k} E={e} P={p} ({} slots), medians of {rounds}:", t * k);
@@ -145,7 +136,6 @@ fn routing(rounds: usize) {
         times[2].as_secs_f64() * 1e6,
         times[2].as_secs_f64() / times[0].as_secs_f64()
     );
-    println!("  receive (rank 3: splits, 2nd sort)     {:>9.1} us", times[3].as_secs_f64() * 1e6);
 }
 
 fn permute_kernels(rounds: usize) {

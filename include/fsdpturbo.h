@@ -129,7 +129,7 @@
 #define FSDPTURBO_MESH_EXPERT 2
 
 // The ABI version: bumped on every incompatible change of this header.
-#define FSDPTURBO_ABI_VERSION 2
+#define FSDPTURBO_ABI_VERSION 3
 
 // Status codes (`int32_t` results; 0 is success). Variants are spelled as in C.
 enum fsdpturbo_status_t
@@ -942,37 +942,12 @@ int32_t fsdpturbo_route(const int64_t *expert_ids,
                         uint64_t *permutation,
                         uint64_t *input_splits);
 
-// What this rank (`rank` in its ep group of `ep_size` = P) receives in the dispatch
-// all-to-all, from the all-gathered counts `gathered_counts[P * num_experts]` (row s = the
-// `tokens_per_expert` of ep rank s). With L = num_experts / P local experts and N the rows
-// received, writes:
-// - `tokens_per_local_expert[L]` and `output_splits[P]` (rows from each ep rank);
-// - `local_expert_of_row[N]`: the local expert of each received row, in receive order (source
-//   rank-major, then local expert: the seed's `global_indices`);
-// - `chunk_order[N]`: the second stable sort, `chunk_order[i]` = the receive-order row that
-//   goes to local-expert-major position i; `chunk_order_inverse[N]`: its inverse.
-//
-// `*rows_out` always receives N once the arguments are valid; when N exceeds `rows_cap` (the
-// capacity of each of the three row buffers) the status is FSDPTURBO_ERR_BUFFER_TOO_SMALL and
-// nothing else is written. Works for L = 1 (experts == ep).
-int32_t fsdpturbo_route_receive(const uint64_t *gathered_counts,
-                                size_t ep_size,
-                                size_t num_experts,
-                                size_t rank,
-                                uint64_t *tokens_per_local_expert,
-                                uint64_t *output_splits,
-                                uint64_t *local_expert_of_row,
-                                size_t rows_cap,
-                                size_t *rows_out,
-                                uint64_t *chunk_order,
-                                uint64_t *chunk_order_inverse);
-
 // Row gather: `dst[i, :] = src[rows[i] / row_divisor, :]` for row-major `src` of `hidden`
 // columns (`src_bytes` must be a whole number of rows) and `dst[n_rows, hidden]`
 // (`dst_bytes` must be exactly `n_rows * hidden` elements). `row_divisor` 1 is a plain gather;
 // `top_k` with the `permutation` of fsdpturbo_route gathers the permuted tokens (the seed's
-// `permute`), and with the permutation of the received rows (`chunk_order`) and 1 it is the
-// second-level permute. The element type only sets the row size (any FSDPTURBO_DTYPE_*).
+// `permute`), and with an order of the received rows and 1 it regroups them (the
+// second-level permute). The element type only sets the row size (any FSDPTURBO_DTYPE_*).
 // Rows outside `src` are rejected before anything is written.
 int32_t fsdpturbo_permute_rows(int32_t dtype,
                                const void *src,

@@ -1,8 +1,7 @@
 //! Token routing and the host MoE kernels (src/route.rs, src/ffi/route.rs): the seed's worked
 //! example number for number, the edge cases (experts == ep, duplicate top-k ids, zero tokens,
-//! ranks that send or receive nothing, zero-token experts), seeded property tests against a
-//! naive argsort + bincount reference, a simulated EP group that dispatches, computes and
-//! combines across ranks, the kernels against naive loops for every element type, thread-count
+//! ranks that send nothing, zero-token experts), seeded property tests against a naive argsort +
+//! bincount reference, a simulated EP group that dispatches, computes and combines across ranks, the kernels against naive loops for every element type, thread-count
 //! independence, and the C ABI.
 
 use std::ffi::c_void;
@@ -44,12 +43,20 @@ fn naive_route(ids: &[i64], e: usize, p: usize) -> (Vec<u64>, Vec<u64>, Vec<u64>
     (cnt, perm, splits)
 }
 
-/// The naive receive: Gl, its sums, `repeat_interleave`, and a stable argsort.
-fn naive_receive(g: &[u64], p: usize, e: usize, r: usize) -> Receive {
+/// What rank r of P receives, from the gathered counts `g [P, E]` (what the dispatch pipeline's
+/// `Receive` computes, done naively here: Gl, its sums, `repeat_interleave`, a stable argsort).
+struct Received {
+    tokens_per_local_expert: Vec<u64>,
+    output_splits: Vec<u64>,
+    /// The local expert of each received row, in receive order (source-major).
+    local_expert_of_row: Vec<u64>,
+    /// The receive-order row at each local-expert-major position.
+    chunk_order: Vec<u64>,
+}
+
+fn received(g: &[u64], p: usize, e: usize, r: usize) -> Received {
     let l = e / p;
     let gl = |s: usize, i: usize| g[s * e + r * l + i];
-    let tpl = (0..l).map(|i| (0..p).map(|s| gl(s, i)).sum()).collect();
-    let out = (0..p).map(|s| (0..l).map(|i| gl(s, i)).sum()).collect();
     let mut rows = Vec::new();
     for s in 0..p {
         for i in 0..l {
@@ -58,16 +65,11 @@ fn naive_receive(g: &[u64], p: usize, e: usize, r: usize) -> Receive {
     }
     let mut order: Vec<u64> = (0..rows.len() as u64).collect();
     order.sort_by_key(|&j| rows[j as usize]);
-    let mut inv = vec![0u64; rows.len()];
-    for (i, &j) in order.iter().enumerate() {
-        inv[j as usize] = i as u64;
-    }
-    Receive {
-        tokens_per_local_expert: tpl,
-        output_splits: out,
+    Received {
+        tokens_per_local_expert: (0..l).map(|i| (0..p).map(|s| gl(s, i)).sum()).collect(),
+        output_splits: (0..p).map(|s| (0..l).map(|i| gl(s, i)).sum()).collect(),
         local_expert_of_row: rows,
         chunk_order: order,
-        chunk_order_inverse: inv,
     }
 }
 
@@ -88,21 +90,6 @@ fn the_seeds_worked_example_number_for_number() {
     assert_eq!(rank0.num_local_experts(), 2);
     assert_eq!(rank0.inverse_permutation(), [1, 3, 0, 5, 4, 2]);
 
-    let g: Vec<u64> = rank0.tokens_per_expert.iter().chain(&rank1.tokens_per_expert).copied().collect();
-    let r0 = receive(&g, 2, 4, 0).unwrap();
-    assert_eq!(r0.tokens_per_local_expert, [2, 2]);
-    assert_eq!(r0.output_splits, [3, 1]);
-    assert_eq!(r0.local_expert_of_row, [0, 1, 1, 0]);
-    assert_eq!(r0.chunk_order, [0, 3, 1, 2]);
-    assert_eq!(r0.chunk_order_inverse, [0, 2, 3, 1]);
-
-    // Rank 1: Gl = [[2, 1], [1, 2]].
-    let r1 = receive(&g, 2, 4, 1).unwrap();
-    assert_eq!(r1.output_splits, [3, 3]);
-    assert_eq!(r1.tokens_per_local_expert, [3, 3]);
-    assert_eq!(r1.local_expert_of_row, [0, 0, 1, 0, 1, 1]);
-    assert_eq!(r1.chunk_order, [0, 1, 3, 2, 4, 5]);
-
     // The permuted rows of rank 0 are tokens [1, 0, 2, 0, 2, 1].
     let x: Vec<f32> = vec![10.0, 11.0, 20.0, 21.0, 30.0, 31.0];
     let mut permuted = vec![0f32; 12];
@@ -119,22 +106,6 @@ fn experts_equal_to_ep_size_give_one_local_expert() {
     assert_eq!(r.tokens_per_expert, [1, 1, 1, 3]);
     assert_eq!(r.input_splits, [1, 1, 1, 3]);
     assert_eq!(r.permutation, [2, 1, 4, 0, 3, 5]);
-    let other = route(&[3, 3, 0, 1], 2, 2, 4, 4).unwrap();
-    let g: Vec<u64> = r
-        .tokens_per_expert
-        .iter()
-        .chain(&[0, 0, 0, 0])
-        .chain(&other.tokens_per_expert)
-        .chain(&[0, 0, 0, 0])
-        .copied()
-        .collect();
-    let rx = receive(&g, 4, 4, 3).unwrap();
-    assert_eq!(rx.tokens_per_local_expert, [5]);
-    assert_eq!(rx.output_splits, [3, 0, 2, 0]);
-    assert_eq!(rx.local_expert_of_row, [0; 5]);
-    assert_eq!(rx.chunk_order, [0, 1, 2, 3, 4]);
-    assert_eq!(rx.chunk_order_inverse, [0, 1, 2, 3, 4]);
-    assert_eq!(rx, naive_receive(&g, 4, 4, 3));
 }
 
 #[test]
@@ -154,17 +125,11 @@ fn duplicate_ids_within_a_tokens_top_k_keep_both_slots() {
 }
 
 #[test]
-fn zero_tokens_route_and_receive_nothing() {
+fn zero_tokens_route_permute_and_multiply_nothing() {
     let r = route(&[], 0, 8, 16, 4).unwrap();
     assert_eq!(r.tokens_per_expert, vec![0; 16]);
     assert!(r.permutation.is_empty());
     assert_eq!(r.input_splits, [0; 4]);
-    let rx = receive(&[0; 64], 4, 16, 2).unwrap();
-    assert_eq!(rx.tokens_per_local_expert, [0; 4]);
-    assert_eq!(rx.output_splits, [0; 4]);
-    assert!(
-        rx.local_expert_of_row.is_empty() && rx.chunk_order.is_empty() && rx.chunk_order_inverse.is_empty()
-    );
     let mut out: [f32; 0] = [];
     permute_tokens::<f32>(&[], 3, &[], 8, &mut out).unwrap();
     unpermute(HostBuf::F32(&[]), 3, &[], 8, None, HostBufMut::F32(&mut [])).unwrap();
@@ -173,7 +138,7 @@ fn zero_tokens_route_and_receive_nothing() {
 }
 
 #[test]
-fn ranks_that_send_or_receive_nothing_and_zero_token_experts() {
+fn ranks_that_send_nothing_and_zero_token_experts() {
     // P = 3, E = 6: rank 0 routes only to rank 0's experts, rank 1 only to rank 2's, rank 2
     // has no tokens; nobody routes to rank 1, and experts 1, 2, 3, 5 get nothing.
     let (e, p) = (6, 3);
@@ -184,18 +149,6 @@ fn ranks_that_send_or_receive_nothing_and_zero_token_experts() {
     assert_eq!(r1.input_splits, [0, 0, 4]);
     assert_eq!(r2.input_splits, [0, 0, 0]);
     assert_eq!(r0.tokens_per_expert, [4, 0, 0, 0, 0, 0]);
-    let g: Vec<u64> = [&r0, &r1, &r2].iter().flat_map(|r| r.tokens_per_expert.iter().copied()).collect();
-    let rx1 = receive(&g, p, e, 1).unwrap();
-    assert_eq!(rx1.output_splits, [0, 0, 0]);
-    assert_eq!(rx1.tokens_per_local_expert, [0, 0]);
-    assert!(rx1.chunk_order.is_empty());
-    let rx2 = receive(&g, p, e, 2).unwrap();
-    assert_eq!(rx2.output_splits, [0, 4, 0]);
-    assert_eq!(rx2.tokens_per_local_expert, [4, 0]);
-    assert_eq!(rx2.local_expert_of_row, [0, 0, 0, 0]);
-    for r in 0..p {
-        assert_eq!(receive(&g, p, e, r).unwrap(), naive_receive(&g, p, e, r));
-    }
 }
 
 #[test]
@@ -212,7 +165,6 @@ fn bad_routing_arguments_are_rejected_with_what_and_where() {
     assert!(m.contains("expert id 9"), "{m}");
     // The seed's text for indivisible experts, exactly.
     assert_eq!(err_text(route(&[0], 1, 1, 6, 4)), "Number of experts(6) is not divisible by ep size(4).");
-    assert_eq!(err_text(receive(&[0; 24], 4, 6, 0)), "Number of experts(6) is not divisible by ep size(4).");
     assert!(err_text(route(&[], 0, 0, 4, 2)).contains("top_k must be >= 1"));
     assert!(err_text(route(&[], 0, 1, 0, 2)).contains("num_experts must be >= 1"));
     assert!(err_text(route(&[], 0, 1, 4, 0)).contains("ep_size must be >= 1"));
@@ -226,20 +178,6 @@ fn bad_routing_arguments_are_rejected_with_what_and_where() {
     assert_eq!((cnt, perm, splits), ([7; 4], [7; 4], [7; 2]));
     let m = err_text(route_into(&[0, 1], 1, 2, 4, 2, &mut cnt, &mut perm, &mut splits));
     assert!(m.contains("`permutation` has 4 elements but must have 2"), "{m}");
-
-    let m = err_text(receive(&[0; 8], 2, 4, 2));
-    assert!(m.contains("rank 2 is outside the ep group of size 2"), "{m}");
-    let m = err_text(receive(&[0; 7], 2, 4, 0));
-    assert!(m.contains("`gathered_counts` has 7 elements but must have 8"), "{m}");
-    let m = err_text(receive(&[0, u64::MAX, 0, 0, 0, 1, 0, 0], 2, 4, 0));
-    assert!(m.contains("overflow at gathered_counts[0][1]"), "{m}");
-    let m = err_text(receive(&[0, u64::MAX / 16, 0, 0, 0, u64::MAX / 16, 0, 0], 2, 4, 0));
-    assert!(m.contains("overflow at gathered_counts[1][1]"), "{m}");
-    // Counts too large to hold the rows are an error, not an abort.
-    let m = err_text(receive(&[0, u64::MAX / 32, 0, 0, 0, u64::MAX / 32, 0, 0], 2, 4, 0));
-    assert!(m.contains("cannot allocate"), "{m}");
-    // Counts of other ranks' experts do not matter to this rank.
-    assert_eq!(receive(&[0, 0, u64::MAX, 0, 0, 0, u64::MAX, 0], 2, 4, 0).unwrap().chunk_order.len(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,32 +206,6 @@ fn routing_matches_argsort_and_bincount_on_random_inputs() {
         assert_eq!(r.permutation, perm, "case {case}");
         assert_eq!(r.input_splits, splits, "case {case}");
         assert_eq!(invert_permutation(&r.permutation).unwrap(), r.inverse_permutation());
-    }
-}
-
-#[test]
-fn receive_matches_the_naive_reference_and_mirrors_the_senders() {
-    let mut rng = Rng(42);
-    for case in 0..200 {
-        let p = 1 + rng.below(5);
-        let l = 1 + rng.below(4);
-        let e = p * l;
-        let k = 1 + rng.below(3);
-        let routes: Vec<Routing> = (0..p)
-            .map(|_| {
-                let t = if rng.below(4) == 0 { 0 } else { rng.below(30) };
-                route(&random_ids(&mut rng, t, k, e), t, k, e, p).unwrap()
-            })
-            .collect();
-        let g: Vec<u64> = routes.iter().flat_map(|r| r.tokens_per_expert.iter().copied()).collect();
-        for d in 0..p {
-            let rx = receive(&g, p, e, d).unwrap();
-            assert_eq!(rx, naive_receive(&g, p, e, d), "case {case}, rank {d}");
-            // What rank d receives from s is what s sends to d.
-            for (s, r) in routes.iter().enumerate() {
-                assert_eq!(rx.output_splits[s], r.input_splits[d], "case {case}");
-            }
-        }
     }
 }
 
@@ -328,12 +240,12 @@ fn simulate_ep(rng: &mut Rng, tokens: &[usize], k: usize, e: usize, ids: Option<
     }
     let mut back: Vec<Vec<Vec<f64>>> = vec![Vec::new(); p]; // [dest][source] rows returned
     for d in 0..p {
-        let rx = receive(&g, p, e, d).unwrap();
-        let received: Vec<f64> = (0..p).flat_map(|s| sent[s][d].iter().copied()).collect();
-        let rows = received.len() / h;
+        let rx = received(&g, p, e, d);
+        let rows_in: Vec<f64> = (0..p).flat_map(|s| sent[s][d].iter().copied()).collect();
+        let rows = rows_in.len() / h;
         assert_eq!(rows as u64, rx.output_splits.iter().sum::<u64>());
         let mut sorted = vec![0.0; rows * h];
-        permute(&received, h, &rx.chunk_order, &mut sorted).unwrap();
+        permute(&rows_in, h, &rx.chunk_order, &mut sorted).unwrap();
         // The expert: rows of local expert i are contiguous, tokens_per_local_expert[i] of them.
         let mut at = 0;
         for (i, &n) in rx.tokens_per_local_expert.iter().enumerate() {
@@ -986,68 +898,13 @@ fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
 // The C ABI.
 
 #[test]
-fn c_abi_route_and_receive_on_the_worked_example() {
+fn c_abi_route_on_the_worked_example() {
     let ids: [i64; 6] = [1, 2, 0, 3, 2, 1];
     let (mut cnt, mut perm, mut splits) = ([0u64; 4], [0u64; 6], [0u64; 2]);
     let st =
         fsdpturbo_route(ids.as_ptr(), 3, 2, 4, 2, cnt.as_mut_ptr(), perm.as_mut_ptr(), splits.as_mut_ptr());
     assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
     assert_eq!((cnt, perm, splits), ([1, 2, 2, 1], [2, 0, 5, 1, 4, 3], [3, 3]));
-
-    let g: [u64; 8] = [1, 2, 2, 1, 1, 0, 1, 2];
-    let (mut tpl, mut out) = ([0u64; 2], [0u64; 2]);
-    let (mut rows, mut order, mut inv) = ([9u64; 4], [9u64; 4], [9u64; 4]);
-    let mut n = 0usize;
-    // Too small: N is reported, nothing else written.
-    let st = fsdpturbo_route_receive(
-        g.as_ptr(),
-        2,
-        4,
-        0,
-        tpl.as_mut_ptr(),
-        out.as_mut_ptr(),
-        rows.as_mut_ptr(),
-        3,
-        &mut n,
-        order.as_mut_ptr(),
-        inv.as_mut_ptr(),
-    );
-    assert_eq!(st, FSDPTURBO_ERR_BUFFER_TOO_SMALL);
-    assert_eq!(n, 4);
-    assert!(last_error().contains("`rows_cap` is 3 but this rank receives 4 rows"));
-    assert_eq!((tpl, out, rows, order, inv), ([0; 2], [0; 2], [9; 4], [9; 4], [9; 4]));
-    let st = fsdpturbo_route_receive(
-        g.as_ptr(),
-        2,
-        4,
-        0,
-        tpl.as_mut_ptr(),
-        out.as_mut_ptr(),
-        rows.as_mut_ptr(),
-        4,
-        &mut n,
-        order.as_mut_ptr(),
-        inv.as_mut_ptr(),
-    );
-    assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
-    assert_eq!((tpl, out, rows, order, inv), ([2, 2], [3, 1], [0, 1, 1, 0], [0, 3, 1, 2], [0, 2, 3, 1]));
-    // A rank that receives nothing may pass NULL row buffers.
-    let zeros = [0u64; 8];
-    let st = fsdpturbo_route_receive(
-        zeros.as_ptr(),
-        2,
-        4,
-        1,
-        tpl.as_mut_ptr(),
-        out.as_mut_ptr(),
-        std::ptr::null_mut(),
-        0,
-        &mut n,
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-    );
-    assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
-    assert_eq!((n, tpl, out), (0, [0, 0], [0, 0]));
     // Zero tokens with NULL ids and permutation.
     let st = fsdpturbo_route(
         std::ptr::null(),
@@ -1112,54 +969,6 @@ fn c_abi_routing_errors_name_the_problem_and_write_nothing() {
     );
     assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().contains("`tokens_per_expert` and `permutation` overlap"), "{}", last_error());
-    // Receive: bad rank, zero sizes.
-    let g = [0u64; 8];
-    let mut n = 0usize;
-    let (mut tpl, mut out) = ([0u64; 2], [0u64; 2]);
-    let st = fsdpturbo_route_receive(
-        g.as_ptr(),
-        2,
-        4,
-        2,
-        tpl.as_mut_ptr(),
-        out.as_mut_ptr(),
-        std::ptr::null_mut(),
-        0,
-        &mut n,
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("rank 2 is outside the ep group of size 2"));
-    let st = fsdpturbo_route_receive(
-        g.as_ptr(),
-        0,
-        4,
-        0,
-        tpl.as_mut_ptr(),
-        out.as_mut_ptr(),
-        std::ptr::null_mut(),
-        0,
-        &mut n,
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("ep_size must be >= 1"));
-    let st = fsdpturbo_route_receive(
-        g.as_ptr(),
-        2,
-        4,
-        0,
-        tpl.as_mut_ptr(),
-        out.as_mut_ptr(),
-        std::ptr::null_mut(),
-        0,
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-    );
-    assert_eq!(st, FSDPTURBO_ERR_NULL_ARGUMENT);
 }
 
 #[test]

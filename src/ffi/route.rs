@@ -11,10 +11,9 @@ use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{
     Region, check_data, check_disjoint, elems_of, host_buf, host_buf_mut, in_array, invalid, out_array,
-    out_slice, write_out,
+    out_slice,
 };
 use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_BUFFER_TOO_SMALL;
 use crate::dtype::Dtype;
 use crate::host::gemm;
 use crate::route;
@@ -93,90 +92,12 @@ pub extern "C" fn fsdpturbo_route(
     })
 }
 
-/// What this rank (`rank` in its ep group of `ep_size` = P) receives in the dispatch
-/// all-to-all, from the all-gathered counts `gathered_counts[P * num_experts]` (row s = the
-/// `tokens_per_expert` of ep rank s). With L = num_experts / P local experts and N the rows
-/// received, writes:
-/// - `tokens_per_local_expert[L]` and `output_splits[P]` (rows from each ep rank);
-/// - `local_expert_of_row[N]`: the local expert of each received row, in receive order (source
-///   rank-major, then local expert: the seed's `global_indices`);
-/// - `chunk_order[N]`: the second stable sort, `chunk_order[i]` = the receive-order row that
-///   goes to local-expert-major position i; `chunk_order_inverse[N]`: its inverse.
-///
-/// `*rows_out` always receives N once the arguments are valid; when N exceeds `rows_cap` (the
-/// capacity of each of the three row buffers) the status is FSDPTURBO_ERR_BUFFER_TOO_SMALL and
-/// nothing else is written. Works for L = 1 (experts == ep).
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub extern "C" fn fsdpturbo_route_receive(
-    gathered_counts: *const u64,
-    ep_size: usize,
-    num_experts: usize,
-    rank: usize,
-    tokens_per_local_expert: *mut u64,
-    output_splits: *mut u64,
-    local_expert_of_row: *mut u64,
-    rows_cap: usize,
-    rows_out: *mut usize,
-    chunk_order: *mut u64,
-    chunk_order_inverse: *mut u64,
-) -> i32 {
-    boundary(|| {
-        if ep_size == 0 || num_experts == 0 {
-            // The core's messages for zero sizes, before any length is derived from them.
-            route::receive_rows(&[], ep_size, num_experts, rank)?;
-        }
-        let want = ep_size
-            .checked_mul(num_experts)
-            .ok_or_else(|| invalid(format!("ep_size ({ep_size}) × num_experts ({num_experts}) overflows")))?;
-        let (gathered, gathered_region) = in_array(gathered_counts, want, "gathered_counts")?;
-        let rows = route::receive_rows(gathered, ep_size, num_experts, rank)?;
-        let l = num_experts / ep_size;
-        let rows_out_region =
-            Region { start: rows_out as usize, bytes: std::mem::size_of::<usize>(), name: "rows_out" };
-        check_disjoint(&[rows_out_region], &[gathered_region])?;
-        write_out(rows_out, "rows_out", rows)?;
-        if rows_cap < rows {
-            return Err(FfiError::new(
-                FSDPTURBO_ERR_BUFFER_TOO_SMALL,
-                format!(
-                    "`rows_cap` is {rows_cap} but this rank receives {rows} rows: `local_expert_of_row`, \
-                     `chunk_order` and `chunk_order_inverse` need {rows} elements each"
-                ),
-            ));
-        }
-        let outs = [
-            out_array(tokens_per_local_expert, l, "tokens_per_local_expert")?,
-            out_array(output_splits, ep_size, "output_splits")?,
-            out_array(local_expert_of_row, rows, "local_expert_of_row")?,
-            out_array(chunk_order, rows, "chunk_order")?,
-            out_array(chunk_order_inverse, rows, "chunk_order_inverse")?,
-            rows_out_region,
-        ];
-        check_disjoint(&outs, &[gathered_region])?;
-        // SAFETY: checked by out_array and check_disjoint.
-        unsafe {
-            Ok(route::receive_into(
-                gathered,
-                ep_size,
-                num_experts,
-                rank,
-                out_slice(tokens_per_local_expert, l),
-                out_slice(output_splits, ep_size),
-                out_slice(local_expert_of_row, rows),
-                out_slice(chunk_order, rows),
-                out_slice(chunk_order_inverse, rows),
-            )?)
-        }
-    })
-}
-
 /// Row gather: `dst[i, :] = src[rows[i] / row_divisor, :]` for row-major `src` of `hidden`
 /// columns (`src_bytes` must be a whole number of rows) and `dst[n_rows, hidden]`
 /// (`dst_bytes` must be exactly `n_rows * hidden` elements). `row_divisor` 1 is a plain gather;
 /// `top_k` with the `permutation` of fsdpturbo_route gathers the permuted tokens (the seed's
-/// `permute`), and with the permutation of the received rows (`chunk_order`) and 1 it is the
-/// second-level permute. The element type only sets the row size (any FSDPTURBO_DTYPE_*).
+/// `permute`), and with an order of the received rows and 1 it regroups them (the
+/// second-level permute). The element type only sets the row size (any FSDPTURBO_DTYPE_*).
 /// Rows outside `src` are rejected before anything is written.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]

@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 /// The ABI version: bumped on every incompatible change of this header.
-pub const FSDPTURBO_ABI_VERSION: u32 = 2;
+pub const FSDPTURBO_ABI_VERSION: u32 = 3;
 
 /// The library version as a static NUL-terminated string, e.g. "0.1.0".
 #[unsafe(no_mangle)]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
+from fsdpturbo.ep_state import ep_modules, state
 from test_train import SEQ, full, tiny_config, train_config
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
@@ -258,8 +259,11 @@ def _selection(rank, world, model, what):
     # the same float32 operations on this rank's own logits, the top-k sum perhaps in another order
     torch.testing.assert_close(scores, top / top.sum(-1, keepdim=True), rtol=4 * 2.0 ** -24, atol=0,
                                msg=f"{what}: weights of the biased selection")
-    assert all(int(getattr(r, "ft_bias_load", torch.zeros(1)).sum()) == 0 for r in _routers(model).values()), \
-        f"{what}: a forward without grad was counted"
+    # The experts' tally counted the forward (expert_load), but not as a training forward (the bias).
+    tallies = [state(m).tally for _, m in ep_modules(model)]
+    assert tallies and all(int(t.window("routed").sum()) > 0 for t in tallies), what
+    assert all(int(t.window("trained").sum()) == 0 for t in tallies), f"{what}: a forward without grad was counted " \
+                                                                       f"for the bias"
 
 
 def _bias_steps(rank, world, family, layout, tmp):

@@ -117,6 +117,7 @@ def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, rou
         ep_mesh = fsdpturbo.ParallelState(world, ep_size=ep).init_device_meshes("cpu").sub_mesh("ep")
     plan = EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher)
     expert_parallelize_modules(block, ep_mesh, plan)
+    _check_ep_state(block, num_experts, ep, ep_mesh.get_local_rank())
 
     x_all, cotangent = _data(world, dtype)
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
@@ -142,6 +143,24 @@ def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, rou
     for name in ("gate_up_proj", "down_proj"):
         grad = getattr(block.experts, name).grad.to_local() * world
         torch.testing.assert_close(grad, ref_grads[f"experts.{name}"][ep_rank * local:(ep_rank + 1) * local], **tol)
+
+
+def _check_ep_state(block, num_experts, ep, ep_rank):
+    """The EP module's one state object (found by `ep_modules`, nothing in it a tensor: meta
+    initialisation materialises the module later) and the seed's attributes as read-only views of
+    it, `expert_ids_per_ep_rank` also with one local expert; the module's class keeps its name."""
+    from fsdpturbo.ep_state import ep_modules, state
+
+    experts, local = block.experts, num_experts // ep
+    assert ep_modules(block) == [("experts", experts)] and state(experts).name == "experts"
+    assert state(experts).tally.counts is None and not list(experts.buffers())
+    assert not any(isinstance(v, torch.Tensor) for v in vars(state(experts)).values())
+    assert type(experts).__name__ == type(experts).__bases__[-1].__name__
+    assert (experts.num_global_experts, experts.num_local_experts) == (num_experts, local)
+    assert experts.local_expert_indices == list(range(ep_rank * local, (ep_rank + 1) * local))
+    assert experts.expert_ids_per_ep_rank == [i % local for i in range(num_experts)]
+    with pytest.raises(AttributeError):
+        experts.num_local_experts = 1
 
 
 ROUTES = {

@@ -16,12 +16,9 @@ def test_seed_worked_example():
     assert counts.tolist() == [1, 2, 2, 1] and splits.tolist() == [3, 3]
     assert permutation.tolist() == [2, 0, 5, 1, 4, 3]
     assert (permutation // 2).tolist() == [1, 0, 2, 0, 2, 1]  # permuted rows are these tokens
-    gathered = torch.tensor([[1, 2, 2, 1], [1, 0, 1, 2]])
-    per_expert, output_splits, order = ops.moe_receive(gathered, 0)
-    assert per_expert.tolist() == [2, 2] and output_splits.tolist() == [3, 1] and order.tolist() == [0, 3, 1, 2]
-    _, _, splits1 = ops.moe_route(torch.tensor([[3, 0], [2, 3]]), 4, 2)
-    assert splits1.tolist() == [1, 3] and ops.moe_receive(gathered, 1)[1].tolist() == [3, 3]
-
+    counts1, _, splits1 = ops.moe_route(torch.tensor([[3, 0], [2, 3]]), 4, 2)
+    assert counts1.tolist() == [1, 0, 1, 2] and splits1.tolist() == [1, 3]
+    # What each rank receives from these counts: test_receive.py.
 
 def _inputs():
     ids = torch.tensor([[1, 2], [0, 3], [2, 1], [3, 3]])
@@ -38,7 +35,6 @@ def test_opcheck_every_moe_op():
     w = torch.randn(3, 6, 5, dtype=torch.float64, requires_grad=True)
     a = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
     for op, args in [(ops.moe_route.default, (ids, 4, 2)),
-                     (ops.moe_receive.default, (torch.tensor([[1, 2, 2, 1], [1, 0, 1, 2]]), 1)),
                      (ops.moe_permute.default, (x, permutation, 2)),
                      (ops.moe_unpermute.default, (permuted, permutation, probs, 4, 2)),
                      (ops.moe_unpermute.default, (permuted, permutation, None, 4, 2)),

@@ -20,7 +20,12 @@ def _sharded(family, world):
 
 
 def _routers(model):
-    return {n: m for n, m in model.named_modules() if hasattr(m, "ft_routes")}
+    """{router name: its state}: the router in the state of every EP module (fsdpturbo.ep_state)."""
+    from fsdpturbo.ep_state import ep_modules, state
+
+    routers = {state(m).router.name: state(m).router for _, m in ep_modules(model)}
+    assert all(dict(model.named_modules())[name] is router.module for name, router in routers.items())
+    return routers
 
 
 def _flip_when_recomputed(model):
@@ -29,13 +34,13 @@ def _flip_when_recomputed(model):
     from fsdpturbo.recompute import in_recomputation
 
     for router in _routers(model).values():
-        original = router.ft_routes.original
+        original = router.original
 
-        def flipped(hidden, original=original, experts=router.num_experts):
+        def flipped(hidden, original=original, experts=router.module.num_experts):
             logits, scores, indices = original(hidden)
             return (logits, scores, (indices + 1) % experts) if in_recomputation() else (logits, scores, indices)
 
-        router.ft_routes.original = flipped
+        router.original = flipped
 
 
 def _grads(family, world, rank, *, checkpointing, flip=False, replay=True):
@@ -47,7 +52,7 @@ def _grads(family, world, rank, *, checkpointing, flip=False, replay=True):
         _flip_when_recomputed(model)
     if not replay:
         for router in _routers(model).values():
-            router.ft_routes.checkpointed = lambda: False
+            router.checkpointed = lambda: False
     model.train()
     ids = torch.randint(0, 64, (world, SEQ), generator=torch.Generator().manual_seed(11))[rank:rank + 1]
     model(input_ids=ids, labels=ids).loss.backward()
@@ -88,7 +93,8 @@ def _replay_rank_fn(rank, world):
             module.register_forward_pre_hook(lambda m, args, name=name: received.__setitem__(name, args[1].clone()))
     with torch.no_grad():
         for router in _routers(model).values():
-            router.weight.to_local().normal_() if hasattr(router.weight, "to_local") else router.weight.normal_()
+            weight = router.module.weight
+            weight.to_local().normal_() if hasattr(weight, "to_local") else weight.normal_()
         with replay_routes(model, routes):
             model(input_ids=ids)
     for name, recorded in routes.items():

@@ -57,16 +57,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& 
   return {counts, permutation, splits};
 }
 
-// The receive metadata is a few hundred integers: computed by the CPU kernel, moved back.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_receive_cuda(const at::Tensor& gathered_counts, int64_t rank) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fsdpturbo::moe_receive", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t)>();
-  auto [per_expert, splits, order] = op.call(gathered_counts.cpu(), rank);
-  auto device = gathered_counts.device();
-  return {per_expert.to(device), splits.to(device), order.to(device)};
-}
-
 at::Tensor moe_permute_cuda(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_divisor) {
   TORCH_CHECK_VALUE(hidden.dim() == 2, "fsdpturbo::moe_permute: hidden must be [tokens, hidden], got ", hidden.sizes());
   TORCH_CHECK_VALUE(row_divisor >= 1, "fsdpturbo::moe_permute: row_divisor must be >= 1, got ", row_divisor);
@@ -281,7 +271,6 @@ void foreach_scale_cuda(at::TensorList tensors, double coef) {
 
 TORCH_LIBRARY_IMPL(fsdpturbo, CUDA, m) {
   m.impl("moe_route", &fsdpturbo_torch::moe_route_cuda);
-  m.impl("moe_receive", &fsdpturbo_torch::moe_receive_cuda);
   m.impl("moe_permute", &fsdpturbo_torch::moe_permute_cuda);
   m.impl("moe_unpermute", &fsdpturbo_torch::moe_unpermute_cuda);
   m.impl("grouped_mm", &fsdpturbo_torch::grouped_mm_cuda);

@@ -41,28 +41,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& e
   return {counts, permutation, splits};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_receive_cpu(const at::Tensor& gathered_counts, int64_t rank) {
-  TORCH_CHECK_VALUE(gathered_counts.dim() == 2, "fsdpturbo::moe_receive: gathered_counts must be [ep_size, E], got ",
-                    gathered_counts.sizes());
-  auto counts = gathered_counts.to(at::kLong).contiguous();
-  int64_t ep_size = counts.size(0), num_experts = counts.size(1);
-  TORCH_CHECK_VALUE(ep_size > 0 && num_experts % ep_size == 0, "Number of experts(", num_experts,
-                    ") is not divisible by ep size(", ep_size, ").");
-  TORCH_CHECK_VALUE(rank >= 0 && rank < ep_size, "fsdpturbo::moe_receive: rank ", rank, " is outside [0, ", ep_size, ")");
-  auto options = at::TensorOptions().dtype(at::kLong);
-  auto per_expert = at::empty({num_experts / ep_size}, options);
-  auto output_splits = at::empty({ep_size}, options);
-  int64_t rows = counts.narrow(1, rank * (num_experts / ep_size), num_experts / ep_size).sum().item<int64_t>();
-  auto local_expert_of_row = at::empty({rows}, options);
-  auto order = at::empty({rows}, options);
-  auto inverse = at::empty({rows}, options);
-  size_t written = 0;
-  check(fsdpturbo_route_receive(u64(counts), ep_size, num_experts, rank, u64_mut(per_expert), u64_mut(output_splits),
-                                u64_mut(local_expert_of_row), rows, &written, u64_mut(order), u64_mut(inverse)),
-        "fsdpturbo::moe_receive");
-  return {per_expert, output_splits, order};
-}
-
 at::Tensor moe_permute_cpu(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_divisor) {
   TORCH_CHECK_VALUE(hidden.dim() == 2, "fsdpturbo::moe_permute: hidden must be [tokens, hidden], got ", hidden.sizes());
   TORCH_CHECK_VALUE(row_divisor >= 1, "fsdpturbo::moe_permute: row_divisor must be >= 1, got ", row_divisor);
@@ -135,7 +113,6 @@ at::Tensor grouped_mm_grad_weight_cpu(const at::Tensor& grad_y, const at::Tensor
 
 TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
   m.impl("moe_route", &fsdpturbo_torch::moe_route_cpu);
-  m.impl("moe_receive", &fsdpturbo_torch::moe_receive_cpu);
   m.impl("moe_permute", &fsdpturbo_torch::moe_permute_cpu);
   m.impl("moe_unpermute", &fsdpturbo_torch::moe_unpermute_cpu);
   m.impl("grouped_mm", &fsdpturbo_torch::grouped_mm_cpu);

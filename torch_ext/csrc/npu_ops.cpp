@@ -325,10 +325,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_npu(const at::Tensor& i
   return on_host<int64_t, int64_t>("fsdpturbo::moe_route", ids, experts, ep);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_receive_npu(const at::Tensor& gathered, int64_t rank) {
-  return on_host<int64_t>("fsdpturbo::moe_receive", gathered, rank);
-}
-
 std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_host(const at::Tensor& x, const at::Tensor&, c10::string_view,
                                                              int64_t, c10::IntArrayRef, c10::IntArrayRef, bool) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "fsdpturbo::alltoallv_grouped_mm runs on Ascend NPU tensors (MC2); got ",
@@ -392,5 +388,4 @@ TORCH_LIBRARY_IMPL(fsdpturbo, CPU, m) {
 TORCH_LIBRARY_IMPL(fsdpturbo, PrivateUse1, m) {
   fsdpturbo_torch::register_device_kernels(m);
   m.impl("moe_route", &fsdpturbo_torch::moe_route_npu);
-  m.impl("moe_receive", &fsdpturbo_torch::moe_receive_npu);
 }

@@ -52,9 +52,6 @@ TORCH_LIBRARY(fsdpturbo, m) {
   // MoE routing: per-expert counts, the stable expert-major permutation of the flat (token, k)
   // slots, and the rows sent to each ep rank. Ids outside [0, num_experts) are an error.
   m.def("moe_route(Tensor expert_ids, int num_experts, int ep_size) -> (Tensor, Tensor, Tensor)");
-  // From the all-gathered counts [ep_size, E]: rows per local expert, rows received from each
-  // ep rank, and the order that sorts the received rows local-expert-major (the second sort).
-  m.def("moe_receive(Tensor gathered_counts, int rank) -> (Tensor, Tensor, Tensor)");
   // out[i] = hidden[rows[i] // row_divisor] (row_divisor = top_k for the first permute).
   m.def("moe_permute(Tensor hidden, Tensor rows, int row_divisor) -> Tensor");
   // out[t] = sum_k probs[t, k] * permuted[inverse(permutation)[t * top_k + k]], in k order.

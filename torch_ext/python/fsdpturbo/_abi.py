@@ -43,7 +43,7 @@ FSDPTURBO_PARAM_DENSE = 3
 FSDPTURBO_MESH_DATA = 0
 FSDPTURBO_MESH_MODEL = 1
 FSDPTURBO_MESH_EXPERT = 2
-FSDPTURBO_ABI_VERSION = 2
+FSDPTURBO_ABI_VERSION = 3
 FSDPTURBO_GEMM_FORWARD = 0
 FSDPTURBO_GEMM_GRAD_INPUT = 1
 FSDPTURBO_GEMM_GRAD_WEIGHT = 2
@@ -291,7 +291,6 @@ FUNCTIONS = {
     'fsdpturbo_plan_memory': (_c.c_int32, [_c.c_void_p, _c.c_uint64, _c.POINTER(fsdpturbo_memory_t)]),
     'fsdpturbo_plan_to_json': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_route': (_c.c_int32, [_c.POINTER(_c.c_int64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
-    'fsdpturbo_route_receive': (_c.c_int32, [_c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_permute_rows': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_unpermute': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_grouped_matmul': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .ep_state import ep_modules, state
 from .pattern import Pattern, match_modules
 
 logger = logging.getLogger(__name__)
@@ -137,14 +138,6 @@ def replica_groups(mesh, exclude_dims=()):
             if name not in own and root.size(i) > 1]
 
 
-def _expert_modules(unit):
-    """The modules under `unit` whose own parameters are expert DTensors (made by EP)."""
-    from torch.distributed.tensor import DTensor
-
-    return [m for m in unit.modules()
-            if any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
-
-
 def mixed_precision_policy(params, plan):
     """FSDP2 mixed precision for `params` under `plan`: compute in `plan.param_dtype`, else the
     parameters' own dtype (never a hard-coded bf16); reduce in `plan.reduce_dtype`, else float32."""
@@ -177,13 +170,13 @@ def _shard_unit(unit, efsdp_mesh, plan, factor):
     its gradients is counted once by any norm that reduces by mesh (LlamaFactory's included)."""
     from torch.distributed.fsdp import fully_shard
 
-    for module in _expert_modules(unit):
+    for _, module in ep_modules(unit):
         params = list(module.parameters())
         fully_shard(module, mesh=efsdp_mesh, shard_placement_fn=_shard_placement,
                     mp_policy=mixed_precision_policy(params, plan), offload_policy=_offload_policy(plan))
         ep_dims = {name for p in params for name in (p.device_mesh.mesh_dim_names or ())}
         configure_gradient_reduction(module, efsdp_mesh, factor, replica_groups(efsdp_mesh, ep_dims))
-        module.ep_gradient_reduction = None
+        state(module).gradient_reduction = None
 
 
 def expert_fully_shard_modules(model, efsdp_mesh, ep_plan, fsdp_plan):

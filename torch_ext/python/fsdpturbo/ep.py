@@ -8,16 +8,13 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from . import dispatch, router_replay
+from . import dispatch, ep_state, router_replay
 from .consistency import check_same_on_every_rank, model_structure
-from .dispatch import get_dispatcher_fn  # noqa: F401  (the seed's name; fsdp_turbo's compatibility path)
-from .dispatch.experts import GradientReduction, expert_weight  # noqa: F401  (where the forward reads them)
-from .dispatch.pipeline import fixed_router_for_debug, normalize_expert_args  # noqa: F401  (the seed's names)
+from .dispatch import get_dispatcher_fn  # also imported from here by fsdp_turbo (the seed's path)
+from .dispatch.experts import GradientReduction
 from .efsdp import gradient_divide_factor, replica_groups
 from .layers import decoder_layers
 from .pattern import match_modules
-
-DISPATCHERS = tuple(dispatch.DISPATCHERS)
 
 
 @dataclasses.dataclass
@@ -48,8 +45,9 @@ def distribute_expert_weights(module, ep_mesh):
 
 def expert_parallelize_modules(model, ep_mesh, plan):
     """Applies expert parallelism to every module matched by `plan.apply_modules` (seed §4.1):
-    expert weights become `Shard(0)` DTensors on `ep_mesh`, the module gets `num_global_experts`,
-    `num_local_experts`, `local_expert_indices` and `expert_ids_per_ep_rank`, and its forward is
+    expert weights become `Shard(0)` DTensors on `ep_mesh`, the module gets its state
+    (`fsdpturbo.ep_state`) with the seed's `num_global_experts`, `num_local_experts`,
+    `local_expert_indices` and `expert_ids_per_ep_rank` as read-only views, and its forward is
     replaced by the dispatcher's (`fsdpturbo.dispatch.install`). Returns `model`.
 
     Gradients are right with expert parallelism alone (the seed leaves them unreduced, so with
@@ -76,17 +74,10 @@ def expert_parallelize_modules(model, ep_mesh, plan):
         num_experts = module.num_experts if hasattr(module, "num_experts") else len(module)
         if num_experts % ep_size:
             raise AssertionError(f"Number of experts({num_experts}) is not divisible by ep size({ep_size}).")
-        local = num_experts // ep_size
-        module.ft_name = name
-        module.num_global_experts = num_experts
-        module.num_local_experts = local
-        module.local_expert_indices = [ep_rank * local + i for i in range(local)]
-        # Also set when there is one local expert (the seed leaves it unset and crashes). A
-        # list, not a tensor: nothing made at EP time may need materialising (meta init); the
-        # forward builds its tensor on the tokens' device.
-        module.expert_ids_per_ep_rank = [i % local for i in range(num_experts)]
+        ep_state.attach(module, ep_state.EPModuleState(
+            name=name, num_global_experts=num_experts, num_local_experts=num_experts // ep_size, ep_rank=ep_rank,
+            dispatcher=forward, gradient_reduction=reduction))
         distribute_expert_weights(module, ep_mesh)
-        module.ep_gradient_reduction = reduction
-        dispatch.install(module, forward)
+        dispatch.install(module)
     router_replay.install(model, names, decoder_layers(model))
     return model

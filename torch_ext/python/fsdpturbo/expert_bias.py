@@ -9,10 +9,12 @@ routes and never the output scale. Route replay under activation checkpointing t
 recorded (biased) ids as it does any other.
 
 Each training forward (grad enabled, not the recomputation activation checkpointing runs in
-backward) adds the ids it took to a per-router tally on the device. `update_expert_bias(model)`,
-called once per optimizer step, sums the tallies over every rank in one all-reduce (the global
-tokens per expert of the step: all ranks, all micro-batches), moves each bias by
-u · sign(mean load − load_e) (an overloaded expert's bias goes down), resets the tallies and
+backward) counts the ids it took in its EP module's tally on the device (the tally
+`fsdpturbo.expert_load` reads too: `fsdpturbo.expert_stats`). `update_expert_bias(model)`,
+called once per optimizer step, sums the training forwards' counts over every rank in one
+all-reduce (the global tokens per expert of the step: all ranks, all micro-batches), moves each
+bias by
+u · sign(mean load − load_e) (an overloaded expert's bias goes down), resets those counts and
 checks that the bias is identical on every rank. The bias is part of the model state, so
 `save_checkpoint` / `load_checkpoint` (DCP, any layout) and the Hugging Face weight files carry
 it.
@@ -20,42 +22,43 @@ it.
 import torch
 import torch.distributed as dist
 
-from . import expert_stats
+from .ep_state import ep_modules, state
+from .expert_stats import reduce_tallies
 
 __all__ = ["install", "update_expert_bias"]
 
 BIAS = "expert_bias"
-_LOAD = "ft_bias_load"
 
 
 def install(model, rate):
-    """Registers the zero `expert_bias` buffer and the update rate on the router of every EP
-    module of `model` (after expert parallelism, which wraps those routers). A model without EP
-    routers, or with EP modules whose router type has no wrapper, is an error."""
-    routers = [m for m in model.modules() if hasattr(m, "ft_routes")]
-    ep_modules = [name for name, m in model.named_modules() if hasattr(m, "num_global_experts")]
+    """Registers the zero `expert_bias` buffer on the router of every EP module of `model`, and
+    the update rate in its state (after expert parallelism, which wraps those routers). A model
+    without EP routers, or with EP modules whose router type has no wrapper, is an error."""
+    states = [state(m) for _, m in ep_modules(model)]
+    routers = [s.router for s in states if s.router is not None]
     if not routers:
         raise ValueError("fsdpturbo: dist_config.expert_bias_update_rate needs expert parallelism (ep_size > 1): the "
                          "bias lives in the routers of the expert-parallel Qwen3 / Qwen3.5 MoE blocks")
-    if len(routers) != len(ep_modules):
-        raise NotImplementedError(f"fsdpturbo: dist_config.expert_bias_update_rate: {len(ep_modules)} EP modules, "
+    if len(routers) != len(states):
+        raise NotImplementedError(f"fsdpturbo: dist_config.expert_bias_update_rate: {len(states)} EP modules, "
                                   f"{len(routers)} with a Qwen3 / Qwen3.5 router; the expert bias is built for those")
     for router in routers:
-        device = router.weight.device
-        router.register_buffer(BIAS, torch.zeros(router.num_experts, dtype=torch.float32,
-                                                 device="cpu" if device.type == "meta" else device))
-        router.ft_bias_rate = float(rate)
+        device = router.module.weight.device
+        router.module.register_buffer(BIAS, torch.zeros(router.module.num_experts, dtype=torch.float32,
+                                                        device="cpu" if device.type == "meta" else device))
+        router.bias_rate = float(rate)
     return model
 
 
 def bias_of(router):
-    """The router's expert bias (None when it has none), checked: float32 [E]."""
-    if BIAS not in router._buffers:
+    """The expert bias of a router (its `RouterState`; None when it has none), checked: float32
+    [E]."""
+    if BIAS not in router.module._buffers:
         return None
-    bias, experts = router._buffers[BIAS], router.num_experts
+    bias, experts = router.module._buffers[BIAS], router.module.num_experts
     if not isinstance(bias, torch.Tensor) or bias.shape != (experts,) or bias.dtype != torch.float32:
         what = f"shape {list(bias.shape)} and dtype {bias.dtype}" if isinstance(bias, torch.Tensor) else repr(bias)
-        raise ValueError(f"fsdpturbo: {router.ft_name}.{BIAS} has {what}; the router has {experts} experts: expected "
+        raise ValueError(f"fsdpturbo: {router.name}.{BIAS} has {what}; the router has {experts} experts: expected "
                          f"a float32 tensor of shape [{experts}]")
     return bias
 
@@ -66,38 +69,26 @@ def select(router, logits, bias):
     return torch.topk(probs + bias, router.top_k, dim=-1).indices
 
 
-def count(router, taken):
-    """Adds the ids a training forward took to the router's tally (no host sync)."""
-    if not torch.is_grad_enabled():
-        return
-    expert_stats.add_to_tally(router, _LOAD, expert_stats.per_expert(taken, router.num_experts))
-
-
 def update_expert_bias(model, *, check=True, group=None):
     """Moves every router's expert bias by u · sign(mean load − load_e), the loads being the
     tokens per expert of the training forwards since the last update summed over every rank of
-    `group` (default: the world), and resets the tallies. Call it once per optimizer step (e.g.
+    `group` (default: the world), and resets those counts. Call it once per optimizer step (e.g.
     `optimizer.register_step_post_hook(lambda *_: fsdpturbo.update_expert_bias(model))`).
     `check`: one more all-reduce (max of bias and −bias) and a host sync, raising RuntimeError on
     every rank when the bias differs between ranks. Collective."""
-    routers = [(name, m) for name, m in model.named_modules() if BIAS in m._buffers]
-    if not routers:
+    states = [s for s in (state(m) for _, m in ep_modules(model))
+              if s.router is not None and BIAS in s.router.module._buffers]
+    if not states:
         raise ValueError("fsdpturbo.update_expert_bias: the model has no expert bias (shard_model installs it with "
                          "dist_config.expert_bias_update_rate)")
-    biases = [bias_of(m) for _, m in routers]
+    routers = [(s.router.name, s.router) for s in states]
+    biases = [bias_of(router) for _, router in routers]
     sizes = [b.numel() for b in biases]
-    tallies = [getattr(m, _LOAD, None) for _, m in routers]
-    loads = torch.cat([t.to(b.device) if t is not None else torch.zeros(b.numel(), dtype=torch.int64, device=b.device)
-                       for t, b in zip(tallies, biases)])
-    if dist.is_initialized():
-        dist.all_reduce(loads, group=group)
+    loads = reduce_tallies([s.tally for s in states], ("trained",), sizes, biases[0].device, group=group)
     with torch.no_grad():
         for (_, router), bias, load in zip(routers, biases, loads.split(sizes)):
             load = load.float()
-            bias.add_(torch.sign(load.mean() - load), alpha=router.ft_bias_rate)
-    for tally in tallies:
-        if tally is not None:
-            tally.zero_()
+            bias.add_(torch.sign(load.mean() - load), alpha=router.bias_rate)
     if check:
         _check_identical(routers, biases, sizes, group)
 

@@ -1,24 +1,23 @@
 """Expert-load statistics: how many tokens each expert of every EP module received.
 
 Every dispatcher counts each rank's rows per expert before its all-to-all (the counts the
-split sizes come from). `record` adds this rank's counts into a per-module tensor on the
-device — no host sync, no collective — and skips the forward that activation checkpointing
-re-runs inside backward, so a recomputed layer is not counted twice. `expert_load` then sums the
-tensors of all modules over every rank in one all-reduce: the tokens routed to each expert over
-the global batch (every EP and DP rank, every micro-batch) since the last reset, the same on
-every rank.
+split sizes come from). `record` adds this rank's counts into the module's tally on the device
+(`fsdpturbo.ep_state.Tally`) — no host sync, no collective — and skips the forward that
+activation checkpointing re-runs inside backward, so a recomputed layer is not counted twice.
+The one tally serves two readers, each summing what it reads over every rank in one all-reduce
+(`reduce_tallies`) and resetting it: `expert_load`, the tokens routed to each expert over the
+global batch (every EP and DP rank, every micro-batch) since its last reset, the same on every
+rank; and `fsdpturbo.update_expert_bias`, those of the training forwards since the last update.
 """
 import math
 
 import torch
 import torch.distributed as dist
 
+from .ep_state import ep_modules, state
 from .recompute import in_recomputation
 
-__all__ = ["add_to_tally", "expert_load", "expert_load_table", "load_summary", "per_expert", "record"]
-
-_COUNTS = "ft_expert_load"
-_DROPPED = "ft_expert_dropped"
+__all__ = ["expert_load", "expert_load_table", "load_summary", "per_expert", "record", "reduce_tallies"]
 
 
 def per_expert(ids, num_experts):
@@ -29,26 +28,38 @@ def per_expert(ids, num_experts):
 
 
 def record(module, local_counts, dropped=None):
-    """Adds this rank's rows per global expert [E] (int64, on the device) to `module`'s tally,
-    and `dropped` (those of them the capacity-bounded dispatch dropped) to its drop tally."""
+    """Adds this rank's rows per global expert [E] (int64, on the device) to the tally of EP
+    module `module`: to what every forward routed and, in a training forward (grad enabled), to
+    what the training forwards routed; and `dropped` (those of them the capacity-bounded
+    dispatch dropped) to its drops."""
     if in_recomputation():
         return
-    add_to_tally(module, _COUNTS, local_counts)
+    tally = state(module).tally
+    if tally.counts is None or tally.counts.device != local_counts.device:
+        tally.counts = torch.zeros((len(tally.WINDOWS), local_counts.numel()), dtype=torch.int64,
+                                   device=local_counts.device)
+    tally.window("routed").add_(local_counts)
     if dropped is not None:
-        add_to_tally(module, _DROPPED, dropped)
+        tally.window("dropped").add_(dropped)
+    if torch.is_grad_enabled():
+        tally.window("trained").add_(local_counts)
 
 
-def add_to_tally(module, attribute, counts):
-    """Adds `counts` into the int64 tally `module.<attribute>` on their device (made at first use)."""
-    tally = getattr(module, attribute, None)
-    if tally is None or tally.device != counts.device:
-        setattr(module, attribute, counts.detach().to(torch.int64).clone())
-    else:
-        tally.add_(counts.detach())
-
-
-def _ep_modules(model):
-    return [(name, m) for name, m in model.named_modules() if hasattr(m, "num_global_experts")]
+def reduce_tallies(tallies, windows, sizes, device, *, group=None, reset=True):
+    """The counts `windows` (`Tally.WINDOWS` names) of `tallies` (one per module, `sizes` its
+    experts), summed over every rank of `group` (default: the world) in one all-reduce: an int64
+    tensor on `device`, window-major, then module by module (zeros for what was never counted).
+    `reset`: zero what was read. Collective."""
+    counted = [tally.window(window) for window in windows for tally in tallies]
+    flat = torch.cat([t.to(device) if t is not None else torch.zeros(e, dtype=torch.int64, device=device)
+                      for t, e in zip(counted, sizes * len(windows))])
+    if dist.is_initialized():
+        dist.all_reduce(flat, group=group)
+    if reset:
+        for counts in counted:
+            if counts is not None:
+                counts.zero_()
+    return flat
 
 
 def _device_of(model):
@@ -63,24 +74,16 @@ def expert_load(model, *, reset=True, group=None, with_dropped=False):
     of `group` (default: the world) in one all-reduce. The same on every rank; collective.
     `reset`: start the next count from zero. `with_dropped`: also return, in the same form, the
     routed tokens the capacity-bounded dispatch dropped (zeros for a dropless module)."""
-    modules = _ep_modules(model)
+    modules = ep_modules(model)
     if not modules:
         raise ValueError("fsdpturbo.expert_load: the model has no expert-parallel module (expert "
                          "parallelism with ep_size > 1 installs them; with ep_size 1 the experts run unchanged)")
-    attributes = (_COUNTS, _DROPPED) if with_dropped else (_COUNTS,)
-    tallies = [getattr(m, a, None) for a in attributes for _, m in modules]
-    device = next((t.device for t in tallies if t is not None), None) or _device_of(model)
-    sizes = [m.num_global_experts for _, m in modules] * len(attributes)
-    flat = torch.cat([t if t is not None else torch.zeros(e, dtype=torch.int64, device=device)
-                      for t, e in zip(tallies, sizes)])
-    if dist.is_initialized():
-        dist.all_reduce(flat, group=group)
-    if reset:
-        for tally in tallies:
-            if tally is not None:
-                tally.zero_()
+    tallies = [state(m).tally for _, m in modules]
+    windows = ("routed", "dropped") if with_dropped else ("routed",)
+    device = next((t.counts.device for t in tallies if t.counts is not None), None) or _device_of(model)
+    sizes = [state(m).num_global_experts for _, m in modules]
+    parts = reduce_tallies(tallies, windows, sizes, device, group=group, reset=reset).cpu().split(sizes * len(windows))
     names = [name for name, _ in modules]
-    parts = flat.cpu().split(sizes)
     loads = dict(zip(names, parts[:len(names)]))
     return (loads, dict(zip(names, parts[len(names):]))) if with_dropped else loads
 

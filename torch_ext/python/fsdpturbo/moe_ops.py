@@ -171,14 +171,6 @@ def _grouped_mm_grad_weight_fake(grad_y, x, counts):
     return x.new_empty((counts.size(0), grad_y.size(1), x.size(1)))
 
 
-def _moe_receive_fake(gathered_counts, rank):
-    ep_size, num_experts = gathered_counts.shape
-    rows = torch.library.get_ctx().new_dynamic_size()
-    new = gathered_counts.new_empty
-    return (new((num_experts // ep_size,), dtype=torch.int64), new((ep_size,), dtype=torch.int64),
-            new((rows,), dtype=torch.int64))
-
-
 def _out_features(weight, trans_weight):
     return weight.size(1) if trans_weight else weight.size(2)
 
@@ -211,7 +203,6 @@ _FAKES = {
     "fsdpturbo::grouped_mm": _grouped_mm_fake,
     "fsdpturbo::grouped_mm_grad_input": _grouped_mm_grad_input_fake,
     "fsdpturbo::grouped_mm_grad_weight": _grouped_mm_grad_weight_fake,
-    "fsdpturbo::moe_receive": _moe_receive_fake,
     "fsdpturbo::alltoallv_grouped_mm": _alltoallv_gmm_fake,
     "fsdpturbo::grouped_mm_alltoallv": _gmm_alltoallv_fake,
 }

@@ -13,7 +13,10 @@ passes of a checkpointed layer pay one softmax and gather over [tokens, E] more 
 the routes a forward took (e.g. at rollout) and make a later forward take them.
 
 With an expert bias (`fsdpturbo.expert_bias`) the router's own ids are its biased selection, and
-the ids a training forward takes (recorded, replayed or its own) are what the bias update counts.
+the ids a training forward takes (recorded, replayed or its own) go to the experts, whose
+counts the bias update reads.
+
+A router's state is part of its EP module's (`fsdpturbo.ep_state.RouterState`).
 """
 import collections
 import contextlib
@@ -23,6 +26,7 @@ import weakref
 import torch
 
 from . import expert_bias
+from .ep_state import RouterState, attach_router, ep_modules, router_state, state
 from .recompute import in_recomputation
 
 __all__ = ["install", "record_routes", "replay_routes"]
@@ -30,21 +34,6 @@ __all__ = ["install", "record_routes", "replay_routes"]
 # Router classes whose selection is softmax → top-k (→ renormalised when this says so).
 _NORMALISES = {"Qwen3MoeTopKRouter": lambda router: bool(router.norm_topk_prob),
                "Qwen3_5MoeTopKRouter": lambda router: True}
-
-
-class _Routes:
-    """A router's state: the ids awaiting recomputation, and the record/replay of the API."""
-
-    def __init__(self, original, layer):
-        self.original = original
-        self.layer = weakref.ref(layer) if layer is not None else None
-        self.pending = collections.deque()
-        self.recording = None
-        self.replaying = None
-
-    def checkpointed(self):
-        layer = self.layer() if self.layer is not None else None
-        return bool(layer is not None and getattr(layer, "gradient_checkpointing", False) and layer.training)
 
 
 def _scores(router, logits, indices):
@@ -55,15 +44,15 @@ def _scores(router, logits, indices):
     return top.to(logits.dtype)
 
 
-def _next_replayed(router, name, logits):
-    routes = router.ft_routes
+def _next_replayed(routes, logits):
     if not routes.replaying:
-        raise ValueError(f"fsdpturbo.replay_routes: {name} has no recorded route left for this forward (the "
+        raise ValueError(f"fsdpturbo.replay_routes: {routes.name} has no recorded route left for this forward (the "
                          f"replayed forwards outnumber the recorded ones)")
     indices = routes.replaying.popleft().to(logits.device)
-    if indices.shape != (logits.size(0), router.top_k):
-        raise ValueError(f"fsdpturbo.replay_routes: {name} recorded routes of shape {list(indices.shape)}, this "
-                         f"forward has {logits.size(0)} tokens × top-{router.top_k}: routes of another batch")
+    top_k = routes.module.top_k
+    if indices.shape != (logits.size(0), top_k):
+        raise ValueError(f"fsdpturbo.replay_routes: {routes.name} recorded routes of shape {list(indices.shape)}, "
+                         f"this forward has {logits.size(0)} tokens × top-{top_k}: routes of another batch")
     return indices
 
 
@@ -74,65 +63,68 @@ def _taken(router, logits, scores, indices, taken):
     return torch.where(same, scores, _scores(router, logits, taken))
 
 
-def _own_routes(router, hidden_states):
+def _own_routes(routes, hidden_states):
     """The router's result; with an expert bias (`fsdpturbo.expert_bias`) its top-k is taken
     over the biased probabilities and the scores are its own of those ids."""
-    logits, scores, indices = router.ft_routes.original(hidden_states)
-    bias = expert_bias.bias_of(router)
+    logits, scores, indices = routes.original(hidden_states)
+    bias = expert_bias.bias_of(routes)
     if bias is None:
         return logits, scores, indices
-    indices = expert_bias.select(router, logits, bias)
-    return logits, _scores(router, logits, indices), indices
+    indices = expert_bias.select(routes.module, logits, bias)
+    return logits, _scores(routes.module, logits, indices), indices
 
 
-def _routed_forward(self, hidden_states):
+def _routed_forward(router, hidden_states):
     """The router's forward, taking the first forward's ids in a recomputation and the replayed
     ids under `replay_routes`. A checkpointed layer's first forward and its recomputation run
     the same operations (checkpointing requires the recomputation to save what the first
     forward saved); a forward that is neither returns the router's own result untouched."""
-    routes = self.ft_routes
-    logits, scores, indices = _own_routes(self, hidden_states)
+    routes = router_state(router)
+    logits, scores, indices = _own_routes(routes, hidden_states)
     if in_recomputation():
         if not routes.pending:  # a recomputation nothing was recorded for (reentrant checkpointing)
             return logits, scores, indices
         taken = routes.pending.pop()
-        return logits, _taken(self, logits, scores, indices, taken), taken
-    taken = _next_replayed(self, self.ft_name, logits) if routes.replaying is not None else indices
+        return logits, _taken(router, logits, scores, indices, taken), taken
+    taken = _next_replayed(routes, logits) if routes.replaying is not None else indices
     if routes.recording is not None:
         routes.recording.append(taken.detach().clone())
-    if expert_bias.BIAS in self._buffers:
-        expert_bias.count(self, taken)
     # A compiled backward recomputes inside its own graph, without running this: nothing to keep.
     if not torch.compiler.is_compiling() and torch.is_grad_enabled() and routes.checkpointed():
         routes.pending.append(taken.detach())
     elif taken is indices:
         return logits, scores, indices
-    return logits, _taken(self, logits, scores, indices, taken), taken
+    return logits, _taken(router, logits, scores, indices, taken), taken
 
 
 def install(model, ep_module_names, layers):
     """Gives the router (`<block>.gate`, beside `<block>.experts`) of every EP module in
-    `ep_module_names` the recorded routes; `layers`: the decoder layers checkpointing wraps.
-    Routers of other types are left alone (returned by name)."""
+    `ep_module_names` the recorded routes, as the router of the module's state; `layers`: the
+    decoder layers checkpointing wraps. Routers of other types are left alone (returned by
+    name)."""
     modules = dict(model.named_modules())
     skipped = []
     for name in ep_module_names:
+        ep_state = state(modules[name])
         block = name.rpartition(".")[0]
-        router = modules.get(f"{block}.gate" if block else "gate")
+        router_name = f"{block}.gate" if block else "gate"
+        router = modules.get(router_name)
         if router is None or type(router).__name__ not in _NORMALISES:
             skipped.append(name)
             continue
-        if hasattr(router, "ft_routes"):
+        if router_state(router) is not None:  # wrapped already
+            attach_router(ep_state, router_state(router))
             continue
         layer = next((layer for layer in layers if any(m is router for m in layer.modules())), None)
-        router.ft_routes = _Routes(router.forward, layer)
-        router.ft_name = f"{block}.gate" if block else "gate"
+        attach_router(ep_state, RouterState(module=router, name=router_name, original=router.forward,
+                                             layer=weakref.ref(layer) if layer is not None else None))
         router.forward = types.MethodType(_routed_forward, router)
     return skipped
 
 
 def _routers(model):
-    routers = {name: m for name, m in model.named_modules() if hasattr(m, "ft_routes")}
+    """{router name: RouterState} of the EP modules of `model` that have a router."""
+    routers = {s.router.name: s.router for s in (state(m) for _, m in ep_modules(model)) if s.router is not None}
     if not routers:
         raise ValueError("fsdpturbo: the model has no expert-parallel router with recorded routes (expert "
                          "parallelism installs them for the Qwen3 / Qwen3.5 MoE routers)")
@@ -146,12 +138,12 @@ def record_routes(model):
     routers = _routers(model)
     routes = {name: [] for name in routers}
     for name, router in routers.items():
-        router.ft_routes.recording = routes[name]
+        router.recording = routes[name]
     try:
         yield routes
     finally:
         for router in routers.values():
-            router.ft_routes.recording = None
+            router.recording = None
 
 
 @contextlib.contextmanager
@@ -165,9 +157,9 @@ def replay_routes(model, routes):
         raise ValueError(f"fsdpturbo.replay_routes: the routes are for {sorted(set(routes) - set(routers))[:4]}, "
                          f"this model's routers without routes: {sorted(set(routers) - set(routes))[:4]}")
     for name, router in routers.items():
-        router.ft_routes.replaying = collections.deque(routes[name])
+        router.replaying = collections.deque(routes[name])
     try:
         yield
     finally:
         for router in routers.values():
-            router.ft_routes.replaying = None
+            router.replaying = None

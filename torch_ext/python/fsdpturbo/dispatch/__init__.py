@@ -1,7 +1,10 @@
 """The token dispatchers of expert parallelism, by name: eager, fused, mc2 and domino, each a
 strategy in one common pipeline (fsdpturbo.dispatch.pipeline: prepare → counts → route →
-dispatch → expert compute → combine), the expert compute in fsdpturbo.dispatch.experts, and
-where kernels run (NPU, test double) in fsdpturbo.dispatch.device.
+dispatch → expert compute → combine), eager and fused also in its capacity-bounded,
+static-shape mode (fsdpturbo.dispatch.capacity); the expert compute in
+fsdpturbo.dispatch.experts, the kernels it runs with (torch's or the op library's) in
+fsdpturbo.dispatch.kernels, and where kernels run (NPU, test double) in
+fsdpturbo.dispatch.device.
 
 The seed's contract (reference/seed-semantics.md §4–§5), with DESIGN §4 fixes: expert ids
 outside [0, E) are an error on every rank (no rank hangs), experts == ep works, and split
@@ -11,8 +14,9 @@ import dataclasses
 import types
 from typing import Callable, Optional
 
-from . import mc2
-from .capacity import Capacity, capacity_forward
+from ..ep_state import state
+from . import kernels, mc2
+from .capacity import Capacity, CapacityStrategy, capacity_forward
 from .eager import domino_forward, eager_forward
 from .fused import fused_forward
 
@@ -20,14 +24,16 @@ from .fused import fused_forward
 @dataclasses.dataclass(frozen=True)
 class Dispatcher:
     """A named dispatcher: `forward(module, hidden_states, top_k_index, top_k_weights, *,
-    ep_group, fixed_router)`, and `check(ep_group)`, what rules it out when it is bound (the
-    host, the group size)."""
+    ep_group, fixed_router)`, `check(ep_group)`, what rules it out when it is bound (the host,
+    the group size), and the expert kernels of its capacity-bounded mode (None: it has none)."""
     name: str
     forward: Callable
     check: Optional[Callable] = None
+    capacity_kernels: Optional[object] = None
 
 
-DISPATCHERS = {d.name: d for d in (Dispatcher("eager", eager_forward), Dispatcher("fused", fused_forward),
+DISPATCHERS = {d.name: d for d in (Dispatcher("eager", eager_forward, capacity_kernels=kernels.TORCH),
+                                   Dispatcher("fused", fused_forward, capacity_kernels=kernels.OP_LIBRARY),
                                    Dispatcher("mc2", mc2.mc2_forward, mc2.check_available),
                                    Dispatcher("domino", domino_forward))}
 NOT_IMPLEMENTED = ("moonep",)  # accepted by the seed's configuration, not implemented here
@@ -70,20 +76,18 @@ class UserDispatcher:
         return self.fn(self.ep_group, module, hidden_states, top_k_index, top_k_weights)
 
 
-# The dispatchers with a capacity-bounded mode, and whether it runs the op library's kernels.
-CAPACITY_KERNELS = {"eager": False, "fused": True}
-
-
 def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False, capacity=None):
     """The forward for `dispatcher` (a name, or a callable bound to the group, as the seed
     selects), as `forward(module, hidden_states, top_k_index, top_k_weights)`; with a
     `Capacity`, its capacity-bounded mode (eager and fused only)."""
     if capacity is not None:
-        if dispatcher not in CAPACITY_KERNELS:
-            raise ValueError(f"fsdpturbo: the capacity-bounded dispatch runs with the dispatchers "
-                             f"{sorted(CAPACITY_KERNELS)}, got {getattr(dispatcher, '__qualname__', dispatcher)!r}")
-        return BoundDispatcher(capacity_forward, ep_group, fixed_router, capacity=capacity,
-                               grouped_kernel=CAPACITY_KERNELS[dispatcher])
+        entry = DISPATCHERS.get(dispatcher) if isinstance(dispatcher, str) else None
+        if entry is None or entry.capacity_kernels is None:
+            bounded = sorted(name for name, d in DISPATCHERS.items() if d.capacity_kernels is not None)
+            raise ValueError(f"fsdpturbo: the capacity-bounded dispatch runs with the dispatchers {bounded}, got "
+                             f"{getattr(dispatcher, '__qualname__', dispatcher)!r}")
+        return BoundDispatcher(capacity_forward, ep_group, fixed_router,
+                               strategy=CapacityStrategy(capacity, entry.capacity_kernels))
     if callable(dispatcher):
         return UserDispatcher(dispatcher, ep_group)
     entry = lookup(dispatcher)
@@ -93,17 +97,17 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False, capacity=None):
 
 
 def moe_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The forward of an expert module under expert parallelism: its bound dispatcher
-    (`self.ep_dispatcher`). A plain function bound with `types.MethodType`, so torch.compile
-    traces it."""
-    return self.ep_dispatcher(self, hidden_states, top_k_index, top_k_weights)
+    """The forward of an expert module under expert parallelism: the bound dispatcher of its
+    state (`fsdpturbo.ep_state`). A plain function bound with `types.MethodType`, so
+    torch.compile traces it."""
+    return state(self).dispatcher(self, hidden_states, top_k_index, top_k_weights)
 
 
-def install(module, forward):
-    """Makes `forward` (a `get_dispatcher_fn` result) the forward of expert module `module`."""
-    module.ep_dispatcher = forward
+def install(module):
+    """Makes the dispatcher of its state (a `get_dispatcher_fn` result) the forward of expert
+    module `module`."""
     module.forward = types.MethodType(moe_forward, module)
 
 
-__all__ = ["BoundDispatcher", "CAPACITY_KERNELS", "Capacity", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher", "check_implemented",
-           "get_dispatcher_fn", "install", "lookup", "moe_forward"]
+__all__ = ["BoundDispatcher", "Capacity", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher",
+           "check_implemented", "get_dispatcher_fn", "install", "lookup", "moe_forward"]

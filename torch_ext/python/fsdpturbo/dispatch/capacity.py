@@ -1,6 +1,7 @@
-"""The capacity-bounded dispatch (`dist_config.capacity_factor` or `expert_capacity`): static
-shapes end to end and no device-to-host copy in forward or backward, so an EP block compiles
-with `fullgraph=True` and can be captured in a CUDA graph.
+"""The capacity-bounded dispatch (`dist_config.capacity_factor` or `expert_capacity`): the
+dispatch pipeline's static-shape mode (`CapacityStrategy`, with the eager or fused
+dispatcher's expert kernels), static shapes end to end and no device-to-host copy in forward or
+backward, so an EP block compiles with `fullgraph=True` and can be captured in a CUDA graph.
 
 Each rank sends every expert at most C rows: C = `expert_capacity`, or
 ceil(capacity_factor · tokens · top_k / experts) from this rank's token count (so with a
@@ -33,10 +34,8 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from .. import expert_stats
-from .._native import ops
-from . import experts
-from .eager import weighted_sum
-from .pipeline import all_to_all, prepare, shaped_like
+from ..ep_state import state
+from .pipeline import Strategy, run
 
 OVERFLOW_POLICIES = ("drop", "fail")
 
@@ -98,69 +97,87 @@ def _check_overflow(module, counts, capacity_rows, ep_group):
                             f"fsdpturbo: an expert got more than its capacity of {capacity_rows} rows from a rank "
                             f"(capacity_overflow: fail); run without torch.compile for the layer and the counts")
         return
-    name = getattr(module, "ft_name", type(module).__name__)
     over = gathered > capacity_rows
     if not bool(over.any()):
         return
     ranks = dist.get_process_group_ranks(ep_group)
     expert = int(over.any(0).nonzero()[0, 0])
     per_rank = ", ".join(f"rank {ranks[p]}: {int(gathered[p, expert])}" for p in range(gathered.size(0)))
-    raise RuntimeError(f"fsdpturbo: {name}: expert {expert} got more rows than its capacity of {capacity_rows} per "
-                       f"rank ({per_rank}); capacity_overflow is 'fail' (raise capacity_factor / expert_capacity, "
-                       f"or set capacity_overflow: drop)")
+    raise RuntimeError(f"fsdpturbo: {state(module).name}: expert {expert} got more rows than its capacity of "
+                       f"{capacity_rows} per rank ({per_rank}); capacity_overflow is 'fail' (raise capacity_factor / "
+                       f"expert_capacity, or set capacity_overflow: drop)")
 
 
-def _expert_mlp(module, x, grouped_kernel):
-    """The local experts' MLP on [L, rows, H] (every expert the same number of rows, empty ones
-    zero): the op library's grouped matmul on CPU when `grouped_kernel`, else batched matmuls."""
-    gate_up, down = experts.expert_weights(module)
-    local, rows, width = x.shape
-    if grouped_kernel and x.device.type == "cpu":
-        counts = torch.full((local,), rows, dtype=torch.int64)
-        flat = x.reshape(local * rows, width)
-        hidden = experts.activation(module, ops.grouped_mm(flat, counts, gate_up))
-        return ops.grouped_mm(hidden.contiguous(), counts, down).view(local, rows, -1)
-    hidden = experts.activation(module, torch.bmm(x, gate_up.transpose(1, 2)))
-    return torch.bmm(hidden, down.transpose(1, 2))
+@dataclasses.dataclass
+class StaticReceive:
+    """What a rank sends and receives when every expert takes C (`rows`) rows from every rank,
+    empty ones included: C rows per expert to and from each rank, equal splits known without
+    reading a count."""
+    rows: int
+    input_splits = None  # None: equal splits
+    output_splits = None
 
 
-def capacity_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, capacity, grouped_kernel,
-                     fixed_router=False):
-    """The forward of an expert module under the capacity-bounded dispatch; `grouped_kernel`:
-    the op library's kernels (the `fused` dispatcher) rather than torch's (`eager`)."""
-    hidden, index, weights = prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
-    tokens, top_k = index.shape
-    num_experts, local = module.num_global_experts, module.num_local_experts
-    ep_size = dist.get_world_size(ep_group)
-    rows = capacity.rows(tokens, top_k, num_experts)
-    flat = index.reshape(-1).long()
-    in_range = (flat >= 0) & (flat < num_experts)
-    # The message names no layer: a traced string would specialise each layer's graph.
-    torch._assert_async(in_range.all(), f"fsdpturbo: expert ids outside [0, {num_experts}) reached the capacity-bounded "
-                                        f"dispatch: top_k_index must hold expert ids of its layer")
-    ids = torch.where(in_range, flat, num_experts)
-    place, counts = _slot_places(ids, num_experts)
-    routed = counts[:num_experts]
-    if capacity.overflow == "fail":
-        _check_overflow(module, routed, rows, ep_group)
-    kept = in_range & (place < rows)
-    expert_stats.record(module, routed, dropped=routed - routed.clamp(max=rows))
+@dataclasses.dataclass
+class SlotRoute:
+    """Each slot's row in the send buffer [E · C + 1, H]: expert-major, C rows per expert; a
+    dropped slot goes to the spare last row, which is not sent."""
+    receive: StaticReceive
+    slot_row: torch.Tensor
+    top_k: int
+    sent_rows: int  # E · C
 
-    # Buffer row of each slot: expert-major, C rows per expert; a dropped slot → the spare row.
-    slot_row = torch.where(kept, ids * rows + place, num_experts * rows)
-    slots = torch.arange(tokens * top_k, device=flat.device)
-    per_slot = ops.moe_permute(hidden.contiguous(), slots, top_k) if grouped_kernel else \
-        hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(tokens * top_k, hidden.size(1))
-    send = per_slot.new_zeros((num_experts * rows + 1, hidden.size(1))).index_copy(0, slot_row, per_slot)
-    received = all_to_all(send[:num_experts * rows], None, None, ep_group)
 
-    width = hidden.size(1)
-    by_expert = received.view(ep_size, local, rows, width).transpose(0, 1).reshape(local, ep_size * rows, width)
-    out = _expert_mlp(module, by_expert, grouped_kernel)
-    back = out.view(local, ep_size, rows, width).transpose(0, 1).reshape(num_experts * rows, width)
-    returned = all_to_all(back, None, None, ep_group)
+class CapacityStrategy(Strategy):
+    """The capacity-bounded mode of the dispatch pipeline: at most `capacity` rows per expert
+    from each rank, with a dispatcher's expert `kernels` (fsdpturbo.dispatch.kernels)."""
 
-    per_slot_out = F.pad(returned, (0, 0, 0, 1)).index_select(0, slot_row)
-    combined = ops.moe_unpermute(per_slot_out, slots, weights, tokens, top_k) if grouped_kernel else \
-        weighted_sum(per_slot_out.view(tokens, top_k, width), weights)
-    return shaped_like(combined, hidden_states)
+    static_shapes = True
+
+    def __init__(self, capacity, kernels):
+        self.capacity, self.kernels = capacity, kernels
+
+    def static_receive(self, module, index, ep_group):
+        """C for this forward, and each slot's row in the send buffer."""
+        tokens, top_k = index.shape
+        num_experts = state(module).num_global_experts
+        rows = self.capacity.rows(tokens, top_k, num_experts)
+        flat = index.reshape(-1).long()
+        in_range = (flat >= 0) & (flat < num_experts)
+        # The message names no layer: a traced string would specialise each layer's graph.
+        torch._assert_async(in_range.all(), f"fsdpturbo: expert ids outside [0, {num_experts}) reached the "
+                                            f"capacity-bounded dispatch: top_k_index must hold expert ids of its layer")
+        ids = torch.where(in_range, flat, num_experts)
+        place, counts = _slot_places(ids, num_experts)
+        routed = counts[:num_experts]
+        if self.capacity.overflow == "fail":
+            _check_overflow(module, routed, rows, ep_group)
+        expert_stats.record(module, routed, dropped=routed - routed.clamp(max=rows))
+        kept = in_range & (place < rows)
+        return StaticReceive(rows), torch.where(kept, ids * rows + place, num_experts * rows)
+
+    def route(self, module, index, receive, slot_row, ep_group):
+        return SlotRoute(receive=receive, slot_row=slot_row, top_k=index.size(1),
+                         sent_rows=state(module).num_global_experts * receive.rows)
+
+    def permute(self, hidden, route):
+        per_slot = self.kernels.slot_rows(hidden, route.top_k)
+        send = per_slot.new_zeros((route.sent_rows + 1, hidden.size(1))).index_copy(0, route.slot_row, per_slot)
+        return send[:route.sent_rows]
+
+    def compute(self, module, received, route, ep_group):
+        """The local experts on [L, P · C, H]: each expert's C rows from every rank."""
+        ep_size, local, rows = dist.get_world_size(ep_group), state(module).num_local_experts, route.receive.rows
+        width = received.size(1)
+        by_expert = received.view(ep_size, local, rows, width).transpose(0, 1).reshape(local, ep_size * rows, width)
+        out = self.kernels.padded_mlp(module, by_expert)
+        return out.view(local, ep_size, rows, width).transpose(0, 1).reshape(route.sent_rows, width)
+
+    def unpermute(self, back, route, weights):
+        return self.kernels.combine_slots(F.pad(back, (0, 0, 0, 1)).index_select(0, route.slot_row), weights)
+
+
+def capacity_forward(module, hidden_states, top_k_index, top_k_weights, *, ep_group, strategy, fixed_router=False):
+    """The forward of an expert module under a capacity-bounded mode (a `CapacityStrategy`)."""
+    return run(strategy, module, hidden_states, top_k_index, top_k_weights, ep_group=ep_group,
+               fixed_router=fixed_router)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .._native import ops
+from ..ep_state import state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +48,10 @@ class _ReduceGradient(torch.autograd.Function):
 def expert_weight(module, name):
     """The local slice of expert weight `name` of an EP module, as the forward uses it. Until
     `expert_fully_shard_modules` takes the module over, its backward reduces and divides the
-    gradient (`module.ep_gradient_reduction`), unless that is the identity."""
+    gradient (its state's `gradient_reduction`), unless that is the identity."""
     weight = getattr(module, name)
     local = weight.to_local() if isinstance(weight, DTensor) else weight
-    reduction = getattr(module, "ep_gradient_reduction", None)
+    reduction = state(module).gradient_reduction
     if reduction is not None and not reduction.is_identity and local.requires_grad:
         local = _ReduceGradient.apply(local, reduction)
     return local

@@ -1,7 +1,7 @@
 """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
-(`torch.ops.fsdpturbo`: host kernels on CPU; NVRTC-compiled kernels and cuBLAS /
-`torch._grouped_mm` on CUDA), or on Ascend NPUs (and their test double) the aclnn token
-permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
+(`torch.ops.fsdpturbo`, fsdpturbo.dispatch.kernels.OP_LIBRARY: host kernels on CPU;
+NVRTC-compiled kernels and cuBLAS / `torch._grouped_mm` on CUDA), or on Ascend NPUs (and their
+test double) the aclnn token permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
 import dataclasses
 from typing import Optional
 
@@ -9,21 +9,16 @@ import torch
 import torch.distributed as dist
 
 from .._native import ops
+from ..ep_state import state
 from . import device, experts
-from .pipeline import Receive, Strategy, run
+from .kernels import OP_LIBRARY
+from .pipeline import Receive, SortedRoute, SortedStrategy, Strategy, run
 
 
-@dataclasses.dataclass
-class Route:
-    permutation: torch.Tensor           # slot rows in send order (`moe_route`)
-    top_k: int
-    receive: Receive
-    per_expert: torch.Tensor            # rows per local expert
-    local_order: Optional[torch.Tensor]  # receive order → local-expert-major (None: one rank, no reorder)
-
-
-class FusedStrategy(Strategy):
+class FusedStrategy(SortedStrategy):
     """The op library's kernels: `moe_route` counts and sorts in one pass."""
+
+    kernels = OP_LIBRARY
 
     @staticmethod
     def count(index, num_experts, ep_size):
@@ -35,23 +30,9 @@ class FusedStrategy(Strategy):
         # One rank receives its own rows in send order, already grouped by expert (`moe_route`
         # sorts by expert id): no local reorder.
         local_order = None if dist.get_world_size(ep_group) == 1 else \
-            receive.local_order(module.num_local_experts, index.device)
-        return Route(permutation=permutation, top_k=index.size(1), receive=receive, per_expert=per_expert,
-                     local_order=local_order)
-
-    def permute(self, hidden, route):
-        return ops.moe_permute(hidden.contiguous(), route.permutation, route.top_k)
-
-    def compute(self, module, received, route, ep_group):
-        if route.local_order is None:
-            return experts.grouped_mlp(module, received, route.per_expert, route.receive.tokens_per_local_expert)
-        grouped = ops.moe_permute(received, route.local_order, 1)
-        out = experts.grouped_mlp(module, grouped, route.per_expert, route.receive.tokens_per_local_expert)
-        return ops.moe_unpermute(out, route.local_order, None, out.size(0), 1)
-
-    def unpermute(self, back, route, weights):
-        tokens, top_k = weights.shape
-        return ops.moe_unpermute(back.contiguous(), route.permutation, weights, tokens, top_k)
+            receive.local_order(state(module).num_local_experts, index.device)
+        return SortedRoute(permutation=permutation, top_k=index.size(1), receive=receive, local_order=local_order,
+                           per_expert=per_expert)
 
 
 @dataclasses.dataclass
@@ -74,7 +55,7 @@ class TokenPermuteStrategy(Strategy):
         return permuted
 
     def compute(self, module, received, route, ep_group):
-        local, ep_size, dev = module.num_local_experts, dist.get_world_size(ep_group), received.device
+        local, ep_size, dev = state(module).num_local_experts, dist.get_world_size(ep_group), received.device
         local_ids = torch.arange(local, device=dev).repeat(ep_size).repeat_interleave(
             torch.tensor(route.receive.blocks, device=dev))
         grouped, local_rows = ops.moe_token_permute(received, local_ids)

@@ -1,25 +1,33 @@
-"""The one dispatch pipeline every dispatcher runs:
+"""The one dispatch pipeline every dispatcher runs, in each of its modes:
 
     prepare → counts → route → dispatch → expert compute → combine
 
-`prepare` normalises the router's output; `counts` counts each slice's rows per global expert
-and all-gathers them over the EP group (this rank's counts go to `fsdpturbo.expert_stats`);
-the gathered counts are read on the host once (ids outside [0, E) then fail on every rank: no
-rank hangs) and give each slice's split sizes (a `Receive`: on the host before any
-all-to-all, DESIGN §4.5); a `Strategy` turns them into routing metadata (`route`), sends the rows to their experts' ranks (`dispatch`),
-regroups them by local expert around the expert compute (`compute`, fsdpturbo.dispatch.experts)
-and brings them back, weighted by the router (`combine`). A dispatcher is a strategy and a
-number of slices: with two (domino) every slice's dispatch is issued before the first slice's
-experts run, so the second all-to-all is in flight meanwhile.
+`prepare` normalises the router's output; `counts` sizes each slice's exchange, in one of two
+ways:
+
+* dropless: count each slice's rows per global expert and all-gather the counts over the EP
+  group (this rank's counts go to `fsdpturbo.expert_stats`); the gathered counts are read on the
+  host once (ids outside [0, E) then fail on every rank: no rank hangs) and give each slice's
+  split sizes (a `Receive`: on the host before any all-to-all, DESIGN §4.5);
+* static shapes (the capacity-bounded mode, fsdpturbo.dispatch.capacity): the strategy sizes
+  the exchange itself from a fixed number of rows per expert, reading no count on the host.
+
+A `Strategy` then turns the sizes into routing metadata (`route`), sends the rows to their
+experts' ranks (`dispatch`), regroups them by local expert around the expert compute
+(`compute`, with the dispatcher's expert kernels, fsdpturbo.dispatch.kernels) and brings them
+back, weighted by the router (`combine`). A dispatcher is a strategy and a number of slices:
+with two (domino) every slice's dispatch is issued before the first slice's experts run, so the
+second all-to-all is in flight meanwhile.
 """
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from .. import expert_stats
+from ..ep_state import state
 
 
 def normalize_expert_args(top_k_index, top_k_weights):
@@ -52,7 +60,8 @@ def prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router):
     top_k_index = top_k_index.reshape(hidden.size(0), top_k)
     top_k_weights = top_k_weights.reshape(hidden.size(0), top_k)
     if fixed_router:
-        top_k_index, top_k_weights = fixed_router_for_debug(top_k_index, top_k_weights, module.num_global_experts)
+        top_k_index, top_k_weights = fixed_router_for_debug(top_k_index, top_k_weights,
+                                                            state(module).num_global_experts)
     return hidden, top_k_index, top_k_weights
 
 
@@ -139,22 +148,23 @@ def all_to_all(x, output_splits, input_splits, ep_group):
     return all_to_all_single_autograd(x, output_splits, input_splits, ep_group)
 
 
-def inverse(permutation):
-    out = torch.empty_like(permutation)
-    out[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-    return out
-
-
 class Strategy:
     """How one dispatcher does the steps after the counts. `count` (default: bincount) may keep
     what it computed for `route`; `dispatch` and `combine` default to a local permute around the
-    all-to-all (`route.receive`: the rows sent to and received from each rank)."""
+    all-to-all (`route.receive`: the rows sent to and received from each rank; None: equal
+    splits). A strategy with `static_shapes` sizes each slice itself (`static_receive`)."""
 
     count = staticmethod(bincount)
+    static_shapes = False
+
+    def static_receive(self, module, index, ep_group):
+        """With static shapes: what this rank sends and receives for a slice with ids [t, K],
+        reading no count on the host, and what `route` keeps of it."""
+        raise NotImplementedError
 
     def route(self, module, index, receive, kept, ep_group):
-        """Routing metadata of one slice from its ids [t, K] and what this rank sends and
-        receives (a `Receive`)."""
+        """Routing metadata of one slice from its ids [t, K], what this rank sends and receives
+        (a `Receive`; with static shapes, what `static_receive` gave) and what the counts kept."""
         raise NotImplementedError
 
     def permute(self, hidden, route):
@@ -178,21 +188,58 @@ class Strategy:
         raise NotImplementedError
 
 
+@dataclasses.dataclass
+class SortedRoute:
+    """Routing of one slice whose rows are sent sorted by expert id."""
+    permutation: torch.Tensor            # the slots (t·K + k) in send order
+    top_k: int
+    receive: Receive
+    local_order: Optional[torch.Tensor]  # receive order → local-expert-major (None: already so)
+    per_expert: Optional[torch.Tensor] = None  # rows per local expert, on the device (grouped kernels)
+
+
+class SortedStrategy(Strategy):
+    """The dropless eager, domino and fused strategies: rows sent sorted by expert id, received
+    rows regrouped by local expert around the experts, all with the strategy's expert
+    `kernels` (fsdpturbo.dispatch.kernels); `route` makes a `SortedRoute`."""
+
+    kernels = None
+
+    def permute(self, hidden, route):
+        return self.kernels.permute(hidden, route.permutation, route.top_k)
+
+    def compute(self, module, received, route, ep_group):
+        tokens = route.receive.tokens_per_local_expert
+        if route.local_order is None:
+            return self.kernels.mlp(module, received, route.per_expert, tokens)
+        grouped = self.kernels.permute(received, route.local_order, 1)
+        out = self.kernels.mlp(module, grouped, route.per_expert, tokens)
+        return self.kernels.unpermute(out, route.local_order, None, out.size(0), 1)
+
+    def unpermute(self, back, route, weights):
+        tokens, top_k = weights.shape
+        return self.kernels.unpermute(back, route.permutation, weights, tokens, top_k)
+
+
 def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group, fixed_router=False, slices=1):
     """The forward of an expert module prepared by `expert_parallelize_modules` under `strategy`,
     the tokens in `slices` slices (1, or 2: domino)."""
     hidden, index, weights = prepare(module, hidden_states, top_k_index, top_k_weights, fixed_router)
     tokens = index.size(0)
-    num_experts = module.num_global_experts
     if slices == 1:
         parts = [(hidden, index, weights)]
     else:
         size = -(-tokens // slices)
         bounds = [(min(i * size, tokens), min((i + 1) * size, tokens)) for i in range(slices)]
         parts = [(hidden[a:b], index[a:b], weights[a:b]) for a, b in bounds]
-    counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
-    expert_stats.record(module, counts[dist.get_rank(ep_group), :, :num_experts].sum(0))
-    outputs = dispatch_by_counts(strategy, module, parts, index, counts, kept, ep_group)
+    if strategy.static_shapes:
+        sized = [strategy.static_receive(module, part[1], ep_group) for part in parts]
+        outputs = exchange(strategy, module, parts, [s[0] for s in sized], [s[1] for s in sized], ep_group)
+    else:
+        num_experts = state(module).num_global_experts
+        counts, kept = gathered_counts([p[1] for p in parts], num_experts, ep_group, strategy.count)
+        expert_stats.record(module, counts[dist.get_rank(ep_group), :, :num_experts].sum(0))
+        outputs = exchange_by_counts(strategy, module, parts, index, counts, kept, ep_group)
     return shaped_like(outputs[0] if len(outputs) == 1 else torch.cat(outputs), hidden_states)
 
 
@@ -200,15 +247,22 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
 # before they start (DESIGN §4.5). Under torch.compile this runs eagerly (one graph break per
 # MoE forward): traced, every new routing's sizes would be specialised into a new graph.
 @torch.compiler.disable
-def dispatch_by_counts(strategy, module, parts, index, counts, kept, ep_group):
-    """Each slice's rows to their experts and back, combined per token, from the gathered
-    counts [P, S, E + 1] read on the host."""
-    num_experts, local = module.num_global_experts, module.num_local_experts
+def exchange_by_counts(strategy, module, parts, index, counts, kept, ep_group):
+    """`exchange` sized by the gathered counts [P, S, E + 1], read on the host."""
+    ep_state = state(module)
+    num_experts, local = ep_state.num_global_experts, ep_state.num_local_experts
     ep_rank = dist.get_rank(ep_group)
     host_counts = counts.tolist()
     check_ids(index.reshape(-1), index.size(1), num_experts, host_counts, ep_group)
-    routes = [strategy.route(module, part[1], Receive.of([row[i][:num_experts] for row in host_counts], ep_rank, local),
-                             kept[i], ep_group) for i, part in enumerate(parts)]
+    receives = [Receive.of([row[i][:num_experts] for row in host_counts], ep_rank, local) for i in range(len(parts))]
+    return exchange(strategy, module, parts, receives, kept, ep_group)
+
+
+def exchange(strategy, module, parts, receives, kept, ep_group):
+    """Each slice's rows to their experts and back, combined per token: route, dispatch (every
+    slice's before the first slice's experts), compute, combine."""
+    routes = [strategy.route(module, part[1], receive, keep, ep_group)
+              for part, receive, keep in zip(parts, receives, kept)]
     received = [strategy.dispatch(part[0], route, ep_group) for part, route in zip(parts, routes)]
     return [strategy.combine(strategy.compute(module, rows, route, ep_group), route, part[2], ep_group)
             for part, rows, route in zip(parts, received, routes)]

@@ -58,8 +58,11 @@ pub struct Plan {
     /// The role of every parameter of the planned tree, in the tree's order. The plan
     /// annotates the tree rather than copying its names: a 235B model has 37k of them.
     pub roles: Vec<ParamRole>,
-    /// What every gradient is divided by after its reduction: the world size, since each
-    /// rank's loss is the mean over its own tokens (DESIGN §4.1).
+    /// What every gradient is divided by after its reduction: the world size, dp · cp, the
+    /// ranks whose gradients are summed (docs/design.md §4.1). It holds under both loss
+    /// conventions the engines serve: each rank's loss the mean over its own tokens
+    /// (`shard_model`), and LlamaFactory's, where every cp rank backpropagates its sequence's
+    /// whole loss scaled by dp / global tokens (docs/seed.md).
     pub gradient_divide_factor: f64,
     /// The seed's factor (ep × efsdp, applied only when efsdp > 1), for comparison.
     pub seed_gradient_divide_factor: Option<f64>,

@@ -199,8 +199,8 @@ typedef struct fsdpturbo_read_plan_t fsdpturbo_read_plan_t;
 // A parsed, validated safetensors header.
 typedef struct fsdpturbo_safetensors_t fsdpturbo_safetensors_t;
 
-// An opaque, immutable topology. Made by fsdpturbo_topology_new or fsdpturbo_state_get; freed
-// with fsdpturbo_topology_free.
+// An opaque, immutable topology. Made by fsdpturbo_topology_new,
+// fsdpturbo_topology_from_config or fsdpturbo_state_get; freed with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
 
 // Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
@@ -555,8 +555,12 @@ void fsdpturbo_config_free(fsdpturbo_config_t *config);
 // Writes the whole configuration as JSON (NUL-terminated) into `buf` of `cap` bytes.
 // `*out_len` receives the bytes needed including the NUL; a short buffer (NULL is fine with
 // `cap` 0) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL and is left untouched. Keys are those of the
-// YAML; `dist` and `kernel` are null when the YAML has none; `dp_size`, `mp_shard_size` and
-// `dist.efsdp_size` are null when left to their defaults.
+// YAML, every default filled in: `dist` holds every dist_config key also when the YAML has no
+// dist_config. Null stands for what no default fills: `kernel` without a kernel_config,
+// `dist.capacity_factor`, `dist.expert_capacity` and `dist.capacity_overflow` without a
+// capacity, unset `dist.dcp_path` and `dist.expert_bias_update_rate`, and `dp_size`,
+// `mp_shard_size` and `dist.efsdp_size` left to their formulas of the world size
+// (fsdpturbo_topology_from_config applies them).
 int32_t fsdpturbo_config_to_json(const fsdpturbo_config_t *config,
                                  char *buf,
                                  size_t cap,
@@ -1169,6 +1173,16 @@ void fsdpturbo_state_reset(void);
 // names them and what is accepted).
 int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
                                fsdpturbo_topology_t **out);
+
+// Builds the topology that `config` asks for on `world_size` ranks and stores a new handle in
+// `*out` (NULL on failure): its dp_size, cp_size, mp_replicate_size, mp_shard_size and
+// dist_config's ep_size and efsdp_size, each one the YAML leaves unset taking its default
+// formula, as with fsdpturbo_topology_new. Errors: FSDPTURBO_ERR_NULL_ARGUMENT,
+// FSDPTURBO_ERR_TOPOLOGY (sizes that do not fit `world_size`; the message names them and
+// what is accepted).
+int32_t fsdpturbo_topology_from_config(const fsdpturbo_config_t *config,
+                                       uint64_t world_size,
+                                       fsdpturbo_topology_t **out);
 
 // Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
 // can be called while cleaning up after a failure.

@@ -90,8 +90,7 @@ fn model_tree(desc: *const fsdpturbo_model_desc_t) -> Result<ModelTree, FfiError
 
 fn resolve(tree: ModelTree, config: &TrainConfig, topology: &Topology) -> Result<fsdpturbo_plan_t, FfiError> {
     let spec = state::spec(&tree.model_type)?;
-    let dist = config.dist.clone().unwrap_or_default();
-    let input = PlanInput { tree: &tree, spec: &spec, dist: &dist, topology, bf16: config.bf16 };
+    let input = PlanInput { tree: &tree, spec: &spec, dist: &config.dist, topology, bf16: config.bf16 };
     let plan = plan::resolve(&input)?;
     Ok(fsdpturbo_plan_t { plan, tree, topology: topology.clone(), bf16: config.bf16 })
 }

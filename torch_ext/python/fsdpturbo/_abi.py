@@ -314,6 +314,7 @@ FUNCTIONS = {
     'fsdpturbo_state_get': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
     'fsdpturbo_state_reset': (None, []),
     'fsdpturbo_topology_new': (_c.c_int32, [_c.POINTER(fsdpturbo_topology_options_t), _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_topology_from_config': (_c.c_int32, [_c.c_void_p, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_topology_free': (None, [_c.c_void_p]),
     'fsdpturbo_topology_size': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_topology_mesh_shape': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),

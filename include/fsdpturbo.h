@@ -900,7 +900,7 @@ int32_t fsdpturbo_plan_ep_module(const fsdpturbo_plan_t *plan,
 // The role of parameter `name` (FSDPTURBO_PARAM_*); an unknown name is an error.
 int32_t fsdpturbo_plan_param_role(const fsdpturbo_plan_t *plan, const char *name, int32_t *out);
 
-// What every gradient is divided by after its reduction (DESIGN §4.1).
+// What every gradient is divided by after its reduction (docs/design.md §4.1).
 int32_t fsdpturbo_plan_gradient_divide_factor(const fsdpturbo_plan_t *plan, double *out);
 
 // The global expert indices `rank` holds (`local_expert_indices`).
@@ -925,7 +925,7 @@ int32_t fsdpturbo_plan_to_json(const fsdpturbo_plan_t *plan,
                                size_t cap,
                                size_t *out_len);
 
-// Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
+// Routes this rank's tokens (docs/design.md §4.4; the seed's `dispatch_preprocess` and first sort).
 // `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
 // gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
 // - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;

@@ -1,6 +1,6 @@
 //! The parallel state: a topology with its meshes, as a value (`ParallelState`, for handles and
 //! embedders that run several) and as the process-global singleton the seed keeps
-//! (`_FSDPTURBO_PARALLEL_STATE`, reference §3.3).
+//! (`_FSDPTURBO_PARALLEL_STATE`).
 //!
 //! The global is set once; initialising again with the same topology is a no-op that returns
 //! the same `Arc`, with a different one an error (the seed's text). `reset_global_state` starts

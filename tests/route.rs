@@ -76,7 +76,7 @@ fn received(g: &[u64], p: usize, e: usize, r: usize) -> Received {
 // ---------------------------------------------------------------------------------------------
 // Routing: the seed's worked example and the edge cases.
 
-/// seed-semantics §5.1: P=2, E=4, L=2, K=2.
+/// The seed's worked example: P=2, E=4, L=2, K=2.
 #[test]
 fn the_seeds_worked_example_number_for_number() {
     let rank0 = route(&[1, 2, 0, 3, 2, 1], 3, 2, 4, 2).unwrap();

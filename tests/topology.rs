@@ -377,7 +377,7 @@ fn topology_and_mesh_serialize_with_their_field_names() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Worked examples (reference §3.2, §3.4)
+// Worked examples (the seed's)
 
 #[test]
 fn worked_example_world16_cp1_ep8() {

@@ -1,6 +1,6 @@
 //! Strict parsing of the training configuration: a LlamaFactory-style training YAML with its
 //! public topology at the top level, `dist_config` (strictly `FSDPTurboParams`) and
-//! `kernel_config` (reference: `seed-semantics.md` §1.1, §1.2, §1.5).
+//! `kernel_config` (the seed's, docs/seed.md).
 //!
 //! Every problem is collected (not only the first) and each names its YAML path and line.
 //! Values come from `serde_yaml`; as its `Value` has no spans, the line of each key comes from
@@ -147,7 +147,7 @@ impl AuxLossScope {
 }
 
 /// `dist_config`: LlamaFactory's `FSDPTurboParams`, with the seed's defaults, plus our
-/// extensions: `efsdp_size` (DESIGN §4.6), the capacity-bounded dispatch and load balancing.
+/// extensions: `efsdp_size` (docs/design.md §4.6), the capacity-bounded dispatch and load balancing.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DistConfig {
     pub name: String,

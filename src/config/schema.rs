@@ -70,7 +70,7 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
 }
 
 /// The topology checks that need no world size: sizes implied by the explicit ones must
-/// agree and divide (reference §3.1, §3.3).
+/// agree and divide.
 pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
     // A size that was rejected holds its default here: checking it would only mislead.
     const SIZES: [&str; 6] = [

@@ -195,7 +195,7 @@ pub extern "C" fn fsdpturbo_plan_param_role(
     })
 }
 
-/// What every gradient is divided by after its reduction (DESIGN §4.1).
+/// What every gradient is divided by after its reduction (docs/design.md §4.1).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_plan_gradient_divide_factor(plan: *const fsdpturbo_plan_t, out: *mut f64) -> i32 {
     boundary(|| write_out(out, "out", arg_ref(plan, "plan")?.plan.gradient_divide_factor))

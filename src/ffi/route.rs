@@ -47,7 +47,7 @@ fn data_region<'n>(
     check_data(ptr, elems_of(bytes, dtype, &format!("{name}_bytes"))?, dtype, name)
 }
 
-/// Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
+/// Routes this rank's tokens (docs/design.md §4.4; the seed's `dispatch_preprocess` and first sort).
 /// `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
 /// gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
 /// - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;

@@ -1,5 +1,5 @@
 """The LlamaFactory integration layer (`fsdpturbo.llamafactory`): the seed's own tests
-(reference §10.1) where they apply, constructors that touch no mesh, and the engine end to end
+where they apply, constructors that touch no mesh, and the engine end to end
 on gloo ranks against the single-process model and torch's clip_grad_norm_."""
 import types
 

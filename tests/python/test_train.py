@@ -2,7 +2,7 @@
 through the test-level Ulysses of `ulysses`) on gloo ranks against the same Hugging Face model
 trained in one process on the whole global batch: losses, gathered gradients, grad norms and
 parameters over 3 AdamW steps, element by element within the error model of
-`fsdpturbo.parity`, in float32 and in bf16 (DESIGN §4.1)."""
+`fsdpturbo.parity`, in float32 and in bf16 (docs/design.md §4.1)."""
 import pytest
 import torch
 import torch.distributed as dist

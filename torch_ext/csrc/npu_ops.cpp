@@ -5,7 +5,7 @@
 // aclnnGroupedMatMulAlltoAllv) over a process group's HCCL communicator named by the caller.
 // The generic row gather/combine (moe_permute/moe_unpermute) are ATen compositions torch_npu
 // runs; routing metadata is computed on the host, where the split sizes must go anyway
-// (DESIGN §4.5).
+// (docs/design.md §4.5).
 //
 // Test mode (`fsdpturbo::_ascend_test_double_enable`): libfsdpturbo agrees only when every CANN
 // library it loaded is fsdpturbo's C test double (csrc/testing, never installed; real CANN

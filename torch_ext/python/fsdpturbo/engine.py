@@ -15,6 +15,7 @@ import torch.distributed as dist
 from . import balance, expert_bias
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
+from ._dist import rank
 from .consistency import check_same_on_every_rank, collective_step, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
@@ -35,7 +36,7 @@ _DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu"}
 
 
 def _info_rank0(message, *args):
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    if rank() == 0:
         logger.info(message, *args)
 
 
@@ -195,7 +196,7 @@ def _read_inputs(train_config, weights):
         return sources
 
     sources = collective_step("shard_model: reading the training configuration and checkpoints", read, ValueError)
-    return parsed["config"], sources[dist.get_rank() if dist.is_initialized() else 0]
+    return parsed["config"], sources[rank()]
 
 
 def shard_model(model, train_config, *, weights=None, state=None, device=None):

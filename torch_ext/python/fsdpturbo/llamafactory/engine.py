@@ -4,19 +4,15 @@ over dp, materialisation and weight loading, grad-norm warm-up) and `FSDPTurboFS
 import os
 
 import torch
-import torch.distributed as dist
 
 from .. import norm
+from .._dist import rank
 from ..config import TrainConfig
 from ..engine import _apply_expert_sharding, _cast_to_storage_dtype, _default_device, fully_shard_outer, materialize
 from ..placement import copy_weights_
+from ..spec import FSDPTurboEPModelSpec
 from ..weights import save_hf_weights
 from . import state as _state
-from ..spec import FSDPTurboEPModelSpec
-
-
-def _rank():
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def save_checkpoint(model, optimizer, ckpt_dir, **kwargs):
@@ -31,7 +27,7 @@ def save_checkpoint(model, optimizer, ckpt_dir, **kwargs):
         hf_dir = os.path.join(os.fspath(ckpt_dir), "hf_model")
         save_hf_weights(getattr(model, "module", model), hf_dir)
         processor = kwargs.get("processor")
-        if processor is not None and _rank() == 0:
+        if processor is not None and rank() == 0:
             processor.save_pretrained(hf_dir)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import SEQ, batch, build_model, full, positions, rank_loss
+from models import SEQ, batch, build_model, full, positions, rank_loss
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]

@@ -2,7 +2,8 @@
 
 It transforms `model` in place, in the original's order: the parallel state, the module
 patches, expert parallelism and expert FSDP (`fsdpturbo.ep`, `fsdpturbo.efsdp`), activation
-recomputation, then the outer FSDP2 (HSDP over data × fully-shard). Parameter names and global
+recomputation (of the `recompute_plan` modules Hugging Face's own checkpointing does not
+already recompute), then the outer FSDP2 (HSDP over data × fully-shard). Parameter names and global
 shapes stay the Hugging Face model's, and nothing reads parameter values: the model may be on
 the meta device on every rank but 0, and its weights are loaded afterwards with
 `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`, as verl and the
@@ -15,6 +16,7 @@ experts' `gradient_divide_factor`); parameters kept whole outside FSDP2 (`ignore
 `ignored_params`) are summed over all ranks and divided alike.
 """
 import dataclasses
+import logging
 
 import torch.distributed as dist
 from torch import nn
@@ -30,6 +32,8 @@ from .config_check import PATCH_KEYS, ConfigError
 from .distributed.parallel_state import init_parallel_state
 
 __all__ = ["FSDPTurbo"]
+
+logger = logging.getLogger(__name__)
 
 
 def _matching(model, patterns, path):
@@ -92,7 +96,12 @@ class FSDPTurbo(nn.Module):
         if not memory.recompute:
             return
         matched = _matching(self.model, memory.recompute_plan, "memory.recompute_plan")
-        for module in {id(m): m for hits in matched.values() for _, m in hits}.values():
+        for name, module in {id(m): (n, m) for hits in matched.values() for n, m in hits}.values():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                # Hugging Face's own checkpointing (verl's enable_gradient_checkpointing) already
+                # recomputes it; a second checkpoint around the same forward would nest.
+                logger.info("fsdp_turbo recompute: %s already recomputes under Hugging Face's checkpointing", name)
+                continue
             checkpoint(module)  # hooks only: names stay the model's
 
     def _ignored_params(self, plan):

@@ -9,8 +9,9 @@ of verl's forward-only pass (`infer_batch`) before each step; at the end every w
 micro-batches per rank (verl's gradient accumulation), fp32 (the harness sets the turbo
 engine's autocast dtype, which verl leaves at bf16), packed sequences (`use_remove_padding`).
 One launch runs the fsdp2 reference once and then every turbo case (EP 2 × EFSDP 2 and EP 4,
-eager and fused, FSDPTurbo's recompute on and off, and once on beside verl's own gradient
-checkpointing, verl's default); the parallel state is reset between cases.
+eager and fused, FSDPTurbo's recompute on and off, once beside verl's own gradient
+checkpointing (verl's default), once HSDP (fully-shard 2 × data 2), once with verl's CPU
+offload policy); the parallel state is reset between cases.
 
 The harness (`cpu_platform`: a CPU platform for verl registered through its plugin registry)
 lives here; verl's code is not edited. Run by ctest (`ctest -L verl`) in the environment
@@ -42,18 +43,22 @@ class Case:
     dispatcher: str
     recompute: bool  # FSDPTurbo's memory.recompute
     hf_checkpointing: bool = False  # verl's model.enable_gradient_checkpointing (its default: on)
+    fsdp: int = WORLD  # distributed.fully_shard_parallel_size: below the world, HSDP
+    offload: bool = False  # verl's engine.offload_policy, which it copies into fsdp_plan.cpu_offload
+
 
     @property
     def name(self):
         recompute = "recompute" if self.recompute else "no_recompute"
-        return f"ep{self.ep}_efsdp{self.efsdp}_{self.dispatcher}_{recompute}" + ("_hf_ckpt" if self.hf_checkpointing else "")
+        extras = {"hf_ckpt": self.hf_checkpointing, "hsdp": self.fsdp != WORLD, "offload": self.offload}
+        return "_".join([f"ep{self.ep}_efsdp{self.efsdp}_{self.dispatcher}_{recompute}"] + [k for k, v in extras.items() if v])
 
     def turbo_config(self):
         """verl's `engine.turbo_config` for this case, as its GPU recipes write it, with fp32 dtypes
         and the fully-shard size of this world."""
         return {
             "distributed": {
-                "fully_shard_parallel_size": WORLD,
+                "fully_shard_parallel_size": self.fsdp,
                 "tensor_parallel_size": 1,
                 "expert_parallel_size": self.ep,
                 "expert_fully_shard_parallel_size": self.efsdp,
@@ -61,15 +66,15 @@ class Case:
                 "fsdp_plan": {"apply_modules": {"model.layers.{*}": {}, "model.embed_tokens": {}, "lm_head": {}},
                               "param_dtype": "fp32", "reduce_dtype": "fp32", "output_dtype": "fp32",
                               "fsdp_implementation": "native", "num_to_forward_prefetch": 1,
-                              "num_to_backward_prefetch": 1},
+                              "num_to_backward_prefetch": 1, "pin_memory": False},  # pinning needs CUDA
                 "ep_plan": {"apply_modules": ["model.layers.{*}.mlp.experts"], "dispatcher": self.dispatcher},
             },
             "memory": {"recompute": self.recompute, "recompute_plan": ["model.layers.{*}"]},
         }
 
 
-CASES = [Case(2, 2, "eager", False), Case(2, 2, "fused", True), Case(4, 1, "eager", True, hf_checkpointing=True),
-         Case(4, 1, "fused", False)]
+CASES = [Case(2, 2, "eager", False), Case(2, 2, "fused", True, fsdp=2), Case(4, 1, "eager", True, hf_checkpointing=True),
+         Case(4, 1, "fused", False, offload=True)]
 
 
 def save_tiny_model(path):
@@ -110,17 +115,18 @@ def rank_batch(step_batch, rank):
     return data
 
 
-def build_engine(strategy, model_dir, turbo_config=None, hf_checkpointing=False):
+def build_engine(strategy, model_dir, case=None):
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     model_config = HFModelConfig(path=model_dir, load_tokenizer=False, override_config={"attn_implementation": "eager"},
-                                 enable_gradient_checkpointing=hf_checkpointing)
+                                 enable_gradient_checkpointing=bool(case and case.hf_checkpointing))
     engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False, fsdp_size=-1,
                                      mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                       "buffer_dtype": "fp32"},
-                                     turbo_config=turbo_config or {})
+                                     offload_policy=bool(case and case.offload),
+                                     turbo_config=case.turbo_config() if case else {})
     optimizer_config = FSDPOptimizerConfig(lr=LR, clip_grad=1.0, total_training_steps=STEPS)
     engine_cls = FSDPTurboEngineWithLMHead if strategy == "fsdp_turbo" else FSDPEngineWithLMHead
     engine = engine_cls(model_config, engine_config, optimizer_config, checkpoint_config=None)
@@ -159,8 +165,7 @@ def _rank_fn(rank, world, model_dir, batches, cases, out_path):
 
     results = {"fsdp2": train(build_engine("fsdp2", model_dir), batches, rank)}
     for case in cases:
-        engine = build_engine("fsdp_turbo", model_dir, case.turbo_config(), case.hf_checkpointing)
-        results[case.name] = train(engine, batches, rank)
+        results[case.name] = train(build_engine("fsdp_turbo", model_dir, case), batches, rank)
         reset_parallel_state()
     torch.save(results, f"{out_path}.{rank}")
 

@@ -3,8 +3,8 @@
 It transforms `model` in place, in the original's order: the parallel state, the module
 patches, expert parallelism and expert FSDP (`fsdpturbo.ep`, `fsdpturbo.efsdp`), activation
 recomputation (of the `recompute_plan` modules Hugging Face's own checkpointing does not
-already recompute), then the outer FSDP2 (HSDP over data × fully-shard). Parameter names and global
-shapes stay the Hugging Face model's, and nothing reads parameter values: the model may be on
+already recompute; like it, they take no KV cache in training), then the outer FSDP2 (HSDP
+over data × fully-shard). Parameter names and global shapes stay the Hugging Face model's, and nothing reads parameter values: the model may be on
 the meta device on every rank but 0, and its weights are loaded afterwards with
 `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`, as verl and the
 ms-swift fork do. The configuration is read when wrapping (consumers change fields, such as
@@ -18,6 +18,7 @@ experts' `gradient_divide_factor`); parameters kept whole outside FSDP2 (`ignore
 import dataclasses
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -49,6 +50,20 @@ def _matching(model, patterns, path):
         raise ConfigError([f"{path}: {p!r} matches no module of {type(model).__name__} (e.g. "
                            f"{', '.join(repr(n) for n, _ in named[1:4])})" for p in unmatched])
     return found
+
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(module, args, kwargs):
+    """What Hugging Face's checkpointed layers do in training: no KV cache (the recomputation
+    would append to it a second time)."""
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    kwargs = {k: (None if k in _CACHE_ARGUMENTS else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 class _ReplicatedGradients:
@@ -121,6 +136,7 @@ class FSDPTurbo(nn.Module):
                 # recomputes it; a second checkpoint around the same forward would nest.
                 logger.info("fsdp_turbo recompute: %s already recomputes under Hugging Face's checkpointing", name)
                 continue
+            module.register_forward_pre_hook(_without_cache, with_kwargs=True)
             checkpoint(module)  # hooks only: names stay the model's
 
     def _ignored_params(self, plan):

@@ -48,7 +48,8 @@ def _rust_problems(distributed):
         problems = []
         for line in str(error).splitlines():
             match = _RUST_LINE.match(line)
-            problems.append(f"{_RUST_DIST_FIELDS[match[1]][0]}{match[2]}: {match[3]}" if match else line)
+            known = match is not None and match[1] in _RUST_DIST_FIELDS
+            problems.append(f"{_RUST_DIST_FIELDS[match[1]][0]}{match[2]}: {match[3]}" if known else line)
         return problems
     return []
 

@@ -95,7 +95,7 @@ class FSDPTurbo(nn.Module):
         self.config = config
         self.model = model
         self.parallel_state = init_parallel_state(config)
-        config_check.topology(config, dist.get_world_size())
+        config_check.topology(config, dist.get_world_size())  # again: fields change after construction
         self._apply_module_patches()
         self._apply_expert_parallel()
         self._apply_recompute()
@@ -158,10 +158,10 @@ class FSDPTurbo(nn.Module):
 
         plan = self.config.distributed.fsdp_plan
         matched = _matching(self.model, list(plan.apply_modules or {}), "distributed.fsdp_plan.apply_modules")
-        options = {}
+        options = {}  # unit name -> its fully_shard options (the first pattern matching it)
         for pattern, hits in matched.items():
-            for name, module in hits:
-                options.setdefault(name, (module, plan.apply_modules[pattern]))
+            for name, _ in hits:
+                options.setdefault(name, plan.apply_modules[pattern])
         ignored = self._ignored_params(plan)
         ignored_ids = {id(p) for p in ignored}
         offload = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.cpu_offload else OffloadPolicy()
@@ -174,7 +174,7 @@ class FSDPTurbo(nn.Module):
             kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
                           mp_policy=mixed_precision_policy([p for p in params if id(p) not in ignored_ids], plan),
                           offload_policy=offload, ignored_params=skipped or None)
-            kwargs.update(options.get(name, (None, {}))[1])
+            kwargs.update(options.get(name, {}))
             fully_shard(module, **kwargs)
         self._set_prefetch([module for _, module in units], plan)
         names = {id(p): n for n, p in self.model.named_parameters()}

@@ -11,7 +11,9 @@ engine's autocast dtype, which verl leaves at bf16), packed sequences (`use_remo
 One launch runs the fsdp2 reference once and then every turbo case (EP 2 × EFSDP 2 and EP 4,
 eager and fused, FSDPTurbo's recompute on and off, once beside verl's own gradient
 checkpointing (verl's default), once HSDP (fully-shard 2 × data 2), once with verl's CPU
-offload policy); the parallel state is reset between cases.
+offload policy); the parallel state is reset between cases. The first case also builds a
+forward-only reference engine before its actor, both on one parallel state, as verl's PPO
+workers do; its log-probs are compared with the fsdp2 engine's first ones.
 
 The harness (`cpu_platform`: a CPU platform for verl registered through its plugin registry)
 lives here; verl's code is not edited. Run by ctest (`ctest -L verl`) in the environment
@@ -115,7 +117,7 @@ def rank_batch(step_batch, rank):
     return data
 
 
-def build_engine(strategy, model_dir, case=None):
+def build_engine(strategy, model_dir, case=None, forward_only=False):
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -125,7 +127,7 @@ def build_engine(strategy, model_dir, case=None):
     engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False, fsdp_size=-1,
                                      mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                       "buffer_dtype": "fp32"},
-                                     offload_policy=bool(case and case.offload),
+                                     offload_policy=bool(case and case.offload), forward_only=forward_only,
                                      turbo_config=case.turbo_config() if case else {})
     optimizer_config = FSDPOptimizerConfig(lr=LR, clip_grad=1.0, total_training_steps=STEPS)
     engine_cls = FSDPTurboEngineWithLMHead if strategy == "fsdp_turbo" else FSDPEngineWithLMHead
@@ -133,6 +135,12 @@ def build_engine(strategy, model_dir, case=None):
     engine._autocast_dtype = torch.float32  # verl's turbo engine keeps __init__'s bf16 whatever the plan says
     engine.initialize()
     return engine
+
+
+def log_probs_of(engine, step_batch, rank):
+    with engine.eval_mode():
+        out = engine.infer_batch(rank_batch(step_batch, rank))
+    return [t.clone() for t in out["model_output"]["log_probs"].unbind()]
 
 
 def train(engine, batches, rank):
@@ -144,9 +152,7 @@ def train(engine, batches, rank):
 
     log_probs, losses, grad_norms = [], [], []
     for step_batch in batches:
-        with engine.eval_mode():
-            out = engine.infer_batch(rank_batch(step_batch, rank))
-        log_probs.append([t.clone() for t in out["model_output"]["log_probs"].unbind()])
+        log_probs.append(log_probs_of(engine, step_batch, rank))
         with engine.train_mode():
             out = engine.train_batch(rank_batch(step_batch, rank), partial(sft_loss, config=None))
         engine.lr_scheduler_step()
@@ -164,8 +170,13 @@ def _rank_fn(rank, world, model_dir, batches, cases, out_path):
     from fsdp_turbo.distributed.parallel_state import reset_parallel_state
 
     results = {"fsdp2": train(build_engine("fsdp2", model_dir), batches, rank)}
-    for case in cases:
+    for i, case in enumerate(cases):
+        # The first case also builds a forward-only reference engine before the actor, in the same
+        # process and parallel state, as verl's PPO workers do.
+        ref = build_engine("fsdp_turbo", model_dir, case, forward_only=True) if i == 0 else None
         results[case.name] = train(build_engine("fsdp_turbo", model_dir, case), batches, rank)
+        if ref is not None:
+            results[case.name]["ref_log_probs"] = log_probs_of(ref, batches[0], rank)
         reset_parallel_state()
     torch.save(results, f"{out_path}.{rank}")
 
@@ -197,6 +208,8 @@ def test_turbo_engine_equals_fsdp2_engine(runs, case):
                 f"{where} step {step}"
             assert _deviation(ours["log_probs"][step], reference["log_probs"][step]) <= LOG_PROB_ATOL, \
                 f"{where} step {step}"
+        if case == CASES[0]:  # the forward-only engine beside the actor: the initial weights
+            assert _deviation(ours["ref_log_probs"], reference["log_probs"][0]) <= LOG_PROB_ATOL, where
         assert ours["weights"].keys() == reference["weights"].keys()
         for name, weight in reference["weights"].items():
             assert ours["weights"][name].shape == weight.shape, f"{where} {name}"

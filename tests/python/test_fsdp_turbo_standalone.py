@@ -203,6 +203,10 @@ def _state_rank_fn(rank, world):
                                                  "replacement": "torch.nn.functional.relu"}])
     _expect_config_error(lambda: FSDPTurbo(bad_patch, build_model("qwen3_moe")),
                          "module_patches[0]: target 'torch.nn.Conv2d.forward' is neither a module-level callable")
+    one_unmatched = config()
+    one_unmatched.distributed.ep_plan.apply_modules = [EXPERTS, "model.no_such.experts"]
+    _expect_config_error(lambda: FSDPTurbo(one_unmatched, build_model("qwen3_moe")),
+                         "distributed.ep_plan.apply_modules: 'model.no_such.experts' matches no module")
     unknown = config()
     unknown.distributed.fsdp_plan.ignored_params = ["model.no_such.weight"]
     _expect_config_error(lambda: FSDPTurbo(unknown, build_model("qwen3_moe")),

@@ -119,6 +119,8 @@ class FSDPTurbo(nn.Module):
         # EFSDP shards the expert modules inside each unit: without `.experts` parents, the
         # expert modules are the units.
         plan = dataclasses.replace(plan, apply_efsdp_modules=plan.apply_efsdp_modules or plan.apply_modules)
+        for field in ("apply_modules", "apply_efsdp_modules"):  # each pattern must match (the engine: any)
+            _matching(self.model, getattr(plan, field), f"distributed.ep_plan.{field}")
         expert_parallelize_modules(self.model, self.parallel_state.get_ep_device_mesh(), plan)
         expert_fully_shard_modules(self.model, self.parallel_state.get_efsdp_device_mesh(), plan,
                                    distributed.fsdp_plan)

@@ -3,6 +3,8 @@ their training configurations, batches and layouts, shared by the tests."""
 import torch
 
 SEQ = 6
+STEPS = 3  # optimizer steps of a training test
+LR = 1e-3  # AdamW normalises each element: near-zero gradients turn tiny rounding differences into lr-sized steps
 
 
 def tiny_config(family):

@@ -8,13 +8,11 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from models import SEQ, batch, build_model, full, layout_state, loss_and_norm_step, positions, rank_loss, train_config
+from models import LR, SEQ, STEPS, batch, build_model, full, layout_state, loss_and_norm_step, positions, rank_loss, train_config
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
 
-STEPS = 3
-LR = 1e-3  # AdamW normalises each element: near-zero gradients turn tiny rounding differences into lr-sized steps
 
 
 def _train_rank_fn(rank, world, family, layouts):

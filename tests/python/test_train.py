@@ -190,13 +190,7 @@ def _faulty_step(rank, world, fault):
     from fsdpturbo.efsdp import configure_gradient_reduction
 
     state = layout_state(world, 2, 2, 1)
-    original = engine._reduce_hook
-    if fault == "missing reduction":  # the whole parameters' gradients are divided but never summed
-        engine._reduce_hook = lambda grad, factor: grad / factor
-    try:
-        model = shard_model_for_faults(state)
-    finally:
-        engine._reduce_hook = original
+    model = shard_model_for_faults(state)
     layers = list(model.model.layers)
     if fault == "doubled expert gradient":
         for layer in layers:
@@ -208,7 +202,13 @@ def _faulty_step(rank, world, fault):
     reference = parity.Reference(build_model("qwen3_moe"))
     reference.load({name: full(param) for name, param in model.named_parameters()})
     ids = batch(0, world)
-    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    original = engine._reduce_hook
+    if fault == "missing reduction":  # the whole parameters' gradients are divided but never summed
+        engine._reduce_hook = lambda grad, factor: grad / factor
+    try:
+        model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    finally:
+        engine._reduce_hook = original
     gate = reference.step(loss_and_norm_step(ids), rows=world)
     return {f"grad {name}": full(param.grad) for name, param in model.named_parameters()}, gate
 
@@ -249,3 +249,29 @@ def test_parity_gate_rejects_a_missing_reduction_a_doubled_expert_gradient_and_a
     parameters divided by ep instead of the world size) are each rejected on exactly the
     gradients they make wrong, and the same run without a fault passes."""
     run_ranks(_faults_rank_fn, 4, timeout=300)
+
+
+def _meta_ignored_rank_fn(rank, world, weights):
+    """Parameters kept whole (`fsdp_ignored_modules`) of a model built on meta and loaded from
+    `weights`: their gradients are summed over the ranks as on a real model (materialising
+    replaces the parameter objects after sharding), so every gradient equals one process."""
+    import fsdpturbo
+    from fsdpturbo.engine import shard_model
+    from fsdpturbo.parity import Reference
+
+    reference = Reference(build_model("qwen3_moe"))
+    if rank == 0:
+        reference.model.save_pretrained(weights)
+    dist.barrier()
+    with fsdpturbo.meta_parameters():
+        model = build_model("qwen3_moe")
+    config = train_config(2, 2, ignored=[n.removesuffix(".weight") for n in IGNORED])
+    model = shard_model(model, config, weights=weights, state=layout_state(world, 2, 2, 1))
+    ids = batch(0, world)
+    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    gate = reference.step(loss_and_norm_step(ids), rows=world)
+    gate.check_all({f"grad {name}": full(param.grad) for name, param in model.named_parameters()}, "meta")
+
+
+def test_parameters_kept_whole_of_a_meta_model_reduce_their_gradients(tmp_path):
+    run_ranks(_meta_ignored_rank_fn, 4, str(tmp_path / "weights"), timeout=300)

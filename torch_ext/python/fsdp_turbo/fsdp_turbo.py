@@ -66,25 +66,6 @@ def _without_cache(module, args, kwargs):
     return args, kwargs
 
 
-class _ReplicatedGradients:
-    """A forward pre-hook that gives the parameters `names` (kept whole on every rank, outside
-    FSDP2) the gradient reduction of `reduce_replicated_gradients`, on whichever Parameter
-    objects the model holds then: loading the weights after wrapping (`to_empty` from meta)
-    replaces them, and a tensor hook does not move with it."""
-
-    MARK = "_fsdp_turbo_gradient_reduced"
-
-    def __init__(self, names, factor):
-        self.names, self.factor = names, factor
-
-    def __call__(self, model, args):
-        params = dict(model.named_parameters())
-        fresh = [params[n] for n in self.names if not hasattr(params[n], self.MARK)]
-        reduce_replicated_gradients(fresh, self.factor)
-        for param in fresh:
-            setattr(param, self.MARK, True)
-
-
 class FSDPTurbo(nn.Module):
     """`FSDPTurbo(config, model).model` is `model`, sharded; `.parallel_state` the process's
     `fsdp_turbo.distributed.parallel_state.ParallelState`. Collective: every rank wraps the same
@@ -179,10 +160,8 @@ class FSDPTurbo(nn.Module):
             kwargs.update(options.get(name, {}))
             fully_shard(module, **kwargs)
         self._set_prefetch([module for _, module in units], plan)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        whole = [names[id(p)] for p in ignored if not isinstance(p, DTensor)]
-        if whole:
-            self.model.register_forward_pre_hook(_ReplicatedGradients(whole, dist.get_world_size()))
+        reduce_replicated_gradients(self.model, [p for p in ignored if not isinstance(p, DTensor)],
+                                    dist.get_world_size())
 
     @staticmethod
     def _set_prefetch(units, plan):

@@ -120,7 +120,7 @@ def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_afte
                     mp_policy=mixed_precision_policy([p for p in params if p not in skipped], FSDPPlanConfig()),
                     offload_policy=offload_policy, ignored_params=skipped or None)
         configure_gradient_reduction(module, dp_mesh, factor, replicas)
-    reduce_replicated_gradients([p for p in ignored_params if not isinstance(p, DTensor)], factor)
+    reduce_replicated_gradients(model, [p for p in ignored_params if not isinstance(p, DTensor)], factor)
     return model
 
 
@@ -130,13 +130,34 @@ def _reduce_hook(grad, factor):
     return grad.div_(factor)
 
 
-def reduce_replicated_gradients(params, factor):
-    """For parameters kept whole on every rank outside any FSDP2 unit (`fsdp_ignored_modules`):
-    each backward's incoming gradient is summed over all ranks and divided by `factor` before
-    it is accumulated (correct under gradient accumulation)."""
-    for p in params:
-        if p.requires_grad:
-            p.register_hook(functools.partial(_reduce_hook, factor=float(factor)))
+class _ReplicatedGradients:
+    """A forward pre-hook of the model that gives the parameters `names` the reduction of
+    `reduce_replicated_gradients` on whichever Parameter objects the model holds at that
+    forward: materialising from meta (`to_empty`) or loading weights replaces them after
+    wrapping, and a tensor hook does not move to the new object."""
+
+    MARK = "_fsdpturbo_gradient_reduced"
+
+    def __init__(self, names, factor):
+        self.names, self.factor = names, float(factor)
+
+    def __call__(self, model, args):
+        params = dict(model.named_parameters())
+        for param in (params[n] for n in self.names):
+            if param.requires_grad and not hasattr(param, self.MARK):
+                param.register_hook(functools.partial(_reduce_hook, factor=self.factor))
+                setattr(param, self.MARK, True)
+
+
+def reduce_replicated_gradients(model, params, factor):
+    """For parameters of `model` kept whole on every rank outside any FSDP2 unit
+    (`fsdp_ignored_modules`): each backward's incoming gradient is summed over all ranks and
+    divided by `factor` before it is accumulated (correct under gradient accumulation), also
+    after the parameters are materialised or reloaded."""
+    ids = {id(p) for p in params}
+    names = [n for n, p in model.named_parameters() if id(p) in ids]
+    if names:
+        model.register_forward_pre_hook(_ReplicatedGradients(names, factor))
 
 
 def materialize(model, device, weights=None, copy_fn=None, dcp_path=None):

@@ -14,8 +14,8 @@ use once_cell::sync::Lazy;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::ops::{ImplId, OpRegistry, Registered, Resolved};
 use crate::pattern::PatternSet;
+use crate::registry::{ImplId, OpRegistry, Registered, Resolved};
 use crate::spec::{ModelSpec, SpecRegistry};
 use crate::topology::{Mesh, Topology};
 

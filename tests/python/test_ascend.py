@@ -121,7 +121,7 @@ def _grouped_mm_rank(rank, world, log_dir):
     assert re.fullmatch(r"aclCreateTensor T\d+ dtype=27 dims=\[6,5\] .*", _log(log)[len(lines) + 0]), _log(log)
     from fsdpturbo._native import lib
     version = ctypes.c_uint32()
-    assert lib.fsdpturbo_npu_grouped_matmul_version(ctypes.byref(version)) == 0 and version.value == 5
+    assert lib.fsdpturbo_npu_grouped_mm_version(ctypes.byref(version)) == 0 and version.value == 5
 
 
 def test_grouped_mm_runs_aclnn_through_the_double(tmp_path):

@@ -95,7 +95,7 @@ void launch_gmm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
                 int64_t split_item, int64_t group_type, const char* op) {
   Workspaces workspaces{x.device(), {}};
   NpuView vx(x), vw(weight), vc(counts), vo(out);
-  check(fsdpturbo_npu_grouped_matmul(npu_dtype(x, op), &vx.view, &vw.view, &vc.view, &vo.view, split_item, group_type,
+  check(fsdpturbo_npu_grouped_mm(npu_dtype(x, op), &vx.view, &vw.view, &vc.view, &vo.view, split_item, group_type,
                                      &allocate_workspace, &workspaces, stream_for(x, op)),
         op);
 }
@@ -199,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_npu(const at::Tensor& x,
   Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
   Workspaces workspaces{x.device(), {}};
   NpuView vx(src), vw(w), vy(y), vp(permuted);
-  check(fsdpturbo_npu_alltoallv_grouped_matmul(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
+  check(fsdpturbo_npu_alltoallv_grouped_mm(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
                                                &vp.view, &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return {y, permuted};
@@ -218,7 +218,7 @@ at::Tensor grouped_mm_alltoallv_npu(const at::Tensor& x, const at::Tensor& weigh
   Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
   Workspaces workspaces{x.device(), {}};
   NpuView vx(src), vw(w), vy(y);
-  check(fsdpturbo_npu_grouped_matmul_alltoallv(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
+  check(fsdpturbo_npu_grouped_mm_alltoallv(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
                                                &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return y;

@@ -56,7 +56,13 @@ def _depthwise_causal_conv(module, x, weight, bias):
 
 
 def _has_state(cache, layer_idx):
-    return cache is not None and cache.has_previous_state(layer_idx)
+    """Whether `cache` holds this layer's linear-attention state already (Hugging Face 5.8:
+    `has_previous_state(layer)`; later versions: a recurrent state that is not None)."""
+    if cache is None:
+        return False
+    if callable(getattr(cache, "has_previous_state", None)):
+        return cache.has_previous_state(layer_idx)
+    return cache.get_recurrent_state(layer_idx, state_idx=0) is not None
 
 
 def _to_heads(group, *tensors):

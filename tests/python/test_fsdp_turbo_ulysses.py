@@ -103,6 +103,9 @@ def _errors_rank_fn(rank, world):
 
     refused(lambda: init_parallel_state(cp_config("qwen3_moe", ulysses=3)),
             "distributed.ulysses_parallel_size: 3 does not divide the world size 4; accepted: 1, 2, 4")
+    refused(lambda: init_parallel_state(cp_config("qwen3_moe", ep=4)),
+            "distributed.expert_parallel_size (4, ep_size) and expert_fully_shard_parallel_size (1, efsdp_size) with "
+            "ulysses_parallel_size (2, cp_size; dp_size = world / it) on 4 ranks: dp_size must be divisible by ep_size")
     refused(lambda: FSDPTurbo(cp_config("qwen3_moe"), build_model("qwen3_moe")),  # sdpa
             "distributed.cp_plan.ulysses_function_patches: full_attention wraps the eager attention function, but "
             "Qwen3MoeForCausalLM attends with 'sdpa'")

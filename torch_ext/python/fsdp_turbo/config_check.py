@@ -199,9 +199,10 @@ def topology(config, world_size):
         state = ParallelState(world_size, cp_size=ulysses, mp_replicate_size=world_size // fsdp, mp_shard_size=fsdp,
                               ep_size=d.expert_parallel_size, efsdp_size=d.expert_fully_shard_parallel_size)
     except ValueError as error:
+        cp = f" with ulysses_parallel_size ({ulysses}, cp_size; dp_size = world / it)" if ulysses > 1 else ""
         raise ConfigError([f"distributed.expert_parallel_size ({d.expert_parallel_size}, ep_size) and "
-                           f"expert_fully_shard_parallel_size ({d.expert_fully_shard_parallel_size}, efsdp_size) "
-                           f"on {world_size} ranks: {error}"]) from None
+                           f"expert_fully_shard_parallel_size ({d.expert_fully_shard_parallel_size}, efsdp_size)"
+                           f"{cp} on {world_size} ranks: {error}"]) from None
     derived = {"data_parallel_size": world_size // fsdp, "expert_data_parallel_size": state.edp_size}
     problems = [f"distributed.{name}: {getattr(d, name)}, but on {world_size} ranks it is {value}; accepted: "
                 f"{value} or None" for name, value in derived.items() if getattr(d, name) not in (None, value)]

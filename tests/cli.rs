@@ -33,10 +33,9 @@ fn no_arguments_plans_the_embedded_example() {
     assert!(text.contains("ep rank 7   experts 112-127"), "{text}");
 }
 
-/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks.
-#[test]
-fn seed_layout_world16_cp2_ep4() {
-    let out = plan(&[
+/// The plan of the seed's validated CP2/EP4/EFSDP2 layout on 16 ranks, with `extra` options.
+fn seed_cp2_plan(extra: &[&str]) -> Output {
+    let layout = [
         "plan",
         "--config",
         "examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml",
@@ -44,10 +43,14 @@ fn seed_layout_world16_cp2_ep4() {
         "examples/models/qwen3_5_35b_a3b.json",
         "--world-size",
         "16",
-        "--rank",
-        "3",
-        "--json",
-    ]);
+    ];
+    plan(&[&layout[..], extra].concat())
+}
+
+/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks.
+#[test]
+fn seed_layout_world16_cp2_ep4() {
+    let out = seed_cp2_plan(&["--rank", "3", "--json"]);
     assert!(out.status.success(), "{}", stdout(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(report["meshes"]["expert"]["shape"], serde_json::json!([1, 2, 4, 2]));
@@ -153,15 +156,7 @@ fn usage_errors_exit_2() {
 /// linear-attention value heads cp 2 does not split.
 #[test]
 fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
-    let out = plan(&[
-        "plan",
-        "--config",
-        "examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml",
-        "--model",
-        "examples/models/qwen3_5_35b_a3b.json",
-        "--world-size",
-        "16",
-    ]);
+    let out = seed_cp2_plan(&[]);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}");
     assert!(

@@ -3,6 +3,7 @@
 
 // Pure core: no I/O, no devices, no globals.
 pub mod config;
+pub mod cp;
 pub mod dtype;
 pub mod error;
 pub mod host;

@@ -33,10 +33,9 @@ fn no_arguments_plans_the_embedded_example() {
     assert!(text.contains("ep rank 7   experts 112-127"), "{text}");
 }
 
-/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks.
-#[test]
-fn seed_layout_world16_cp2_ep4() {
-    let out = plan(&[
+/// The plan of the seed's validated CP2/EP4/EFSDP2 layout on 16 ranks, with `extra` options.
+fn seed_cp2_plan(extra: &[&str]) -> Output {
+    let layout = [
         "plan",
         "--config",
         "examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml",
@@ -44,10 +43,14 @@ fn seed_layout_world16_cp2_ep4() {
         "examples/models/qwen3_5_35b_a3b.json",
         "--world-size",
         "16",
-        "--rank",
-        "3",
-        "--json",
-    ]);
+    ];
+    plan(&[&layout[..], extra].concat())
+}
+
+/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks.
+#[test]
+fn seed_layout_world16_cp2_ep4() {
+    let out = seed_cp2_plan(&["--rank", "3", "--json"]);
     assert!(out.status.success(), "{}", stdout(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(report["meshes"]["expert"]["shape"], serde_json::json!([1, 2, 4, 2]));
@@ -146,4 +149,46 @@ fn usage_errors_exit_2() {
         plan(&["plan", "--config", "/nonexistent.yaml", "--model", "/nonexistent.json", "--world-size", "4"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stdout(&out).contains("/nonexistent.yaml: cannot read"));
+}
+
+/// The CP groups are shown, and a CP layout that cannot work is refused naming its rule: the
+/// seed's CP2 layout as DPO (the stage read from the training YAML), and with a model whose
+/// linear-attention value heads cp 2 does not split.
+#[test]
+fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
+    let out = seed_cp2_plan(&[]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("cp groups (Ulysses, cp_size 2): [0, 1], [2, 3], [4, 5], [6, 7], [8, 9]"),
+        "{text}"
+    );
+
+    let dir = std::env::temp_dir().join(format!("fsdpturbo-cli-cp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("dpo.yaml");
+    let seed = std::fs::read_to_string("examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml").unwrap();
+    std::fs::write(&config, format!("{seed}\nstage: dpo\n")).unwrap();
+    let mut model: serde_json::Value =
+        serde_json::from_slice(&std::fs::read("examples/models/qwen3_5_35b_a3b.json").unwrap()).unwrap();
+    model["text_config"]["linear_num_value_heads"] = serde_json::json!(33);
+    let model_path = dir.join("odd_heads.json");
+    std::fs::write(&model_path, model.to_string()).unwrap();
+    let out = plan(&[
+        "plan",
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        model_path.to_str().unwrap(),
+        "--world-size",
+        "16",
+    ]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("cp: cp_size 2 with stage dpo: LlamaFactory's dpo and rm trainers take no context"),
+        "{text}"
+    );
+    assert!(text.contains("cp: cp_size 2 does not divide text_config.linear_num_value_heads (33)"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

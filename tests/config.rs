@@ -1271,3 +1271,11 @@ fn echoed_control_characters_are_escaped() {
         assert_eq!(errors.to_string().lines().count(), lines.len(), "one line per error");
     }
 }
+
+/// LlamaFactory's `stage` is read (for the plan's CP rules) and must be a string.
+#[test]
+fn stage_is_read_as_a_string() {
+    assert_eq!(ok("stage: dpo\n").stage.as_deref(), Some("dpo"));
+    assert_eq!(ok("cp_size: 2\n").stage, None);
+    assert_error(&error("stage: [dpo]\n"), "stage", 1, "expected a string, got a list");
+}

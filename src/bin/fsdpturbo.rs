@@ -5,6 +5,7 @@
 use std::process::ExitCode;
 
 use fsdpturbo::config::{TrainConfig, parse_train_config_bytes};
+use fsdpturbo::cp;
 use fsdpturbo::plan::{self, Plan, PlanInput, RankPlan};
 use fsdpturbo::spec::{ModelTree, SpecRegistry, model_tree_from_config};
 use fsdpturbo::topology::{Mesh, Topology};
@@ -120,9 +121,18 @@ fn dry_run(args: &Args) -> DryRun {
     let model = model_bytes.and_then(|bytes| {
         serde_json::from_slice::<Value>(&bytes).map_err(|e| format!("model config.json: invalid JSON: {e}"))
     });
-    match model.and_then(|value| model_tree_from_config(&value).map_err(|e| e.message)) {
-        Ok(tree) => run.tree = Some(tree),
-        Err(e) => run.violations.push(e),
+    let model = match model {
+        Ok(value) => Some(value),
+        Err(e) => {
+            run.violations.push(e);
+            None
+        }
+    };
+    if let Some(value) = &model {
+        match model_tree_from_config(value) {
+            Ok(tree) => run.tree = Some(tree),
+            Err(e) => run.violations.push(e.message),
+        }
     }
     if args.rank >= world_size {
         run.violations.push(format!("--rank {} is outside the world of {world_size} ranks", args.rank));
@@ -131,6 +141,12 @@ fn dry_run(args: &Args) -> DryRun {
     match Topology::new(&plan::topology_spec(config, world_size)) {
         Ok(topology) => run.topology = Some(topology),
         Err(e) => run.violations.push(format!("topology: {}", e.message)),
+    }
+    if let (Some(topology), Some(value)) = (&run.topology, &model) {
+        let stage = config.stage.as_deref();
+        run.violations.extend(
+            cp::cp_violations(value, topology.cp_size, stage).into_iter().map(|v| format!("cp: {v}")),
+        );
     }
     let (Some(topology), Some(tree)) = (&run.topology, &run.tree) else { return run };
 
@@ -233,6 +249,13 @@ fn print_text(run: &DryRun) {
             Some(mesh) => println!("  expert {}", mesh_text(&mesh)),
             None => println!("  expert none (ep_size 1)"),
         }
+        let groups: Vec<String> = cp::cp_groups(topology).iter().map(|g| list(g)).collect();
+        let shown = if groups.len() > 8 {
+            format!("{}, … ({} groups)", groups[..4].join(", "), groups.len())
+        } else {
+            groups.join(", ")
+        };
+        println!("cp groups (Ulysses, cp_size {}): {shown}", topology.cp_size);
         if run.rank < run.world_size {
             println!("groups of rank {}:", run.rank);
             for (dims, members) in groups_of(topology, run.rank) {
@@ -321,6 +344,7 @@ fn to_json(run: &DryRun) -> Value {
         "topology": run.topology,
         "meshes": meshes,
         "groups": groups,
+        "cp_groups": run.topology.as_ref().map(cp::cp_groups),
         "plan": match (&run.plan, &run.tree) {
             (Some(p), Some(t)) => p.to_json(t),
             _ => Value::Null,

@@ -65,6 +65,9 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
     if let Some((path, v)) = field("kernel_config") {
         cfg.kernel = kernel_config(cx, &path, v);
     }
+    if let Some((path, v)) = field("stage") {
+        cfg.stage = optional(v, |v| string(cx, &path, v));
+    }
     check_topology(cx, &cfg);
     Some(cfg)
 }

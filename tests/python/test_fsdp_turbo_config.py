@@ -121,12 +121,23 @@ def test_every_problem_is_reported_at_once_with_its_path():
 @pytest.mark.parametrize("fields, problem", [
     (dict(distributed=DistributedConfig(tensor_parallel_size=2)),
      "distributed.tensor_parallel_size: 2, but tensor parallelism is not built in fsdpturbo; accepted: 1"),
-    (dict(distributed=DistributedConfig(ulysses_parallel_size=2)),
-     "distributed.ulysses_parallel_size: 2, but FSDPTurbo's Ulysses context parallelism is not built yet"),
+    (dict(distributed=DistributedConfig(ulysses_parallel_size=0)),
+     "distributed.ulysses_parallel_size: expected a positive integer, got 0"),
     (dict(distributed=DistributedConfig(cp_plan=CPPlanConfig(ulysses_function_patches=[
         {"target_functions": ["transformers.integrations.sdpa_attention.sdpa_attention_forward"],
-         "type": "full_attention"}]))),
-     "distributed.cp_plan.ulysses_function_patches: context-parallel patches are not built yet; accepted: []"),
+         "type": "ring_attention"}]))),
+     "distributed.cp_plan.ulysses_function_patches[0].type: 'ring_attention' is no ulysses_function_patches type; "
+     "accepted: full_attention, gated_delta_net"),
+    (dict(distributed=DistributedConfig(cp_plan=CPPlanConfig(loss_function_patches=[
+        {"target_functions": ["transformers.loss.loss_utils.ForCausalLMLoss"], "type": "full_attention"}]))),
+     "distributed.cp_plan.loss_function_patches[0].type: 'full_attention' is no loss_function_patches type; "
+     "accepted: causal_lm_loss"),
+    (dict(distributed=DistributedConfig(cp_plan=CPPlanConfig(loss_function_patches=[
+        {"target": "transformers.loss.loss_utils.ForCausalLMLoss", "type": "causal_lm_loss"}]))),
+     "distributed.cp_plan.loss_function_patches[0]: expected {'target_functions': [dotted paths], 'type': name}"),
+    (dict(distributed=DistributedConfig(cp_plan=CPPlanConfig(ulysses_function_patches=[
+        {"target_functions": [], "type": "gated_delta_net"}]))),
+     "distributed.cp_plan.ulysses_function_patches[0].target_functions: expected a non-empty list of dotted paths"),
     (dict(distributed=DistributedConfig(fsdp_plan=FSDPPlanConfig(fsdp_implementation="custom"))),
      "distributed.fsdp_plan.fsdp_implementation: 'custom' (FSDPTurbo's fine-grained fully_shard) is not built"),
     (dict(memory=MemoryConfig(chunk_batch=True)), "memory.chunk_batch: chunked batches are not built"),

@@ -9,6 +9,7 @@ import re
 from fsdpturbo.config import parse_train_config
 from fsdpturbo.efsdp import mixed_precision_policy
 from fsdpturbo.topology import ParallelState
+from fsdpturbo.ulysses import entry_problems
 
 __all__ = ["ConfigError", "check", "topology"]
 
@@ -78,12 +79,6 @@ def _not_built(config):
     if _is_size(d.tensor_parallel_size) and d.tensor_parallel_size > 1:
         problems.append(f"distributed.tensor_parallel_size: {d.tensor_parallel_size}, but tensor parallelism is not "
                         f"built in fsdpturbo; accepted: 1 (tp_plan is then not used)")
-    if _is_size(d.ulysses_parallel_size) and d.ulysses_parallel_size > 1:
-        problems.append(f"distributed.ulysses_parallel_size: {d.ulysses_parallel_size}, but FSDPTurbo's Ulysses "
-                        f"context parallelism is not built yet; accepted: 1")
-    for name in ("ulysses_function_patches", "loss_function_patches"):
-        if getattr(d.cp_plan, name):
-            problems.append(f"distributed.cp_plan.{name}: context-parallel patches are not built yet; accepted: []")
     if d.fsdp_plan.fsdp_implementation == "custom":
         problems.append("distributed.fsdp_plan.fsdp_implementation: 'custom' (FSDPTurbo's fine-grained fully_shard) "
                         "is not built; accepted: 'native' (torch FSDP2)")
@@ -175,7 +170,7 @@ def check(config):
     """Raises ConfigError listing every problem of `config` that needs no world size."""
     d = config.distributed
     problems = _size_problems(d) + _rust_problems(d) + _not_built(config) + _fsdp_plan_problems(d.fsdp_plan) \
-        + _pattern_list_problems(config) + _module_patch_problems(config.module_patches)
+        + _pattern_list_problems(config) + _module_patch_problems(config.module_patches) + entry_problems(d.cp_plan)
     if problems:
         raise ConfigError(problems)
 
@@ -187,21 +182,27 @@ def _divisors(n):
 def topology(config, world_size):
     """`config` checked again (its fields may have changed since construction) and its
     topology on `world_size` ranks from the Rust core (a `fsdpturbo.topology.ParallelState`:
-    the model mesh (mp_replicate, mp_shard) is the dense HSDP (data, fully-shard), the expert
-    mesh (edp, efsdp, ep, expert_cp)); sizes that do not fit raise ConfigError."""
+    the model mesh (mp_replicate, mp_shard) is the dense HSDP (data, fully-shard), the data mesh
+    (dp, cp) the ranks that take different samples and the Ulysses groups (consecutive ranks),
+    the expert mesh (edp, efsdp, ep, expert_cp)); sizes that do not fit raise ConfigError."""
     check(config)
     d = config.distributed
     fsdp = d.fully_shard_parallel_size
     if world_size % fsdp:
         raise ConfigError([f"distributed.fully_shard_parallel_size: {fsdp} does not divide the world size "
                            f"{world_size}; accepted: {_divisors(world_size)}"])
+    ulysses = d.ulysses_parallel_size
+    if world_size % ulysses:
+        raise ConfigError([f"distributed.ulysses_parallel_size: {ulysses} does not divide the world size "
+                           f"{world_size}; accepted: {_divisors(world_size)}"])
     try:
-        state = ParallelState(world_size, mp_replicate_size=world_size // fsdp, mp_shard_size=fsdp,
+        state = ParallelState(world_size, cp_size=ulysses, mp_replicate_size=world_size // fsdp, mp_shard_size=fsdp,
                               ep_size=d.expert_parallel_size, efsdp_size=d.expert_fully_shard_parallel_size)
     except ValueError as error:
+        cp = f" with ulysses_parallel_size ({ulysses}, cp_size; dp_size = world / it)" if ulysses > 1 else ""
         raise ConfigError([f"distributed.expert_parallel_size ({d.expert_parallel_size}, ep_size) and "
-                           f"expert_fully_shard_parallel_size ({d.expert_fully_shard_parallel_size}, efsdp_size) "
-                           f"on {world_size} ranks: {error}"]) from None
+                           f"expert_fully_shard_parallel_size ({d.expert_fully_shard_parallel_size}, efsdp_size)"
+                           f"{cp} on {world_size} ranks: {error}"]) from None
     derived = {"data_parallel_size": world_size // fsdp, "expert_data_parallel_size": state.edp_size}
     problems = [f"distributed.{name}: {getattr(d, name)}, but on {world_size} ranks it is {value}; accepted: "
                 f"{value} or None" for name, value in derived.items() if getattr(d, name) not in (None, value)]

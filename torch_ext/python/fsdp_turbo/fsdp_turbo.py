@@ -1,6 +1,7 @@
 """`FSDPTurbo(config, model)`: the standalone API's wrapper, `fsdp_turbo.fsdp_turbo`.
 
-It transforms `model` in place, in the original's order: the parallel state, the module
+It transforms `model` in place, in the original's order: the parallel state, Ulysses context
+parallelism (`cp_plan`, `fsdpturbo.ulysses`; with ulysses_parallel_size > 1), the module
 patches, expert parallelism and expert FSDP (`fsdpturbo.ep`, `fsdpturbo.efsdp`), activation
 recomputation (of the `recompute_plan` modules Hugging Face's own checkpointing does not
 already recompute; like it, they take no KV cache in training), then the outer FSDP2 (HSDP
@@ -10,8 +11,10 @@ the meta device on every rank but 0, and its weights are loaded afterwards with
 ms-swift fork do. The configuration is read when wrapping (consumers change fields, such as
 `fsdp_plan.cpu_offload`, after construction).
 
-Gradients: each rank's loss is the mean over its share of the global batch, so every gradient
-is the sum over the ranks holding it divided by the world size (the dense HSDP's default, the
+Gradients: each rank's loss is the mean over its share of the global batch (under Ulysses,
+the whole loss of its data rank's sequences, the same on every rank of its Ulysses group, as
+`causal_lm_loss` gives it), so every gradient is the sum over the ranks holding it divided by
+the world size (the dense HSDP's default, the
 experts' `gradient_divide_factor`); parameters kept whole outside FSDP2 (`ignored_modules`,
 `ignored_params`) are summed over all ranks and divided alike.
 """
@@ -27,6 +30,7 @@ from fsdpturbo.engine import reduce_replicated_gradients
 from fsdpturbo.ep import expert_parallelize_modules
 from fsdpturbo.patch import apply_module_patch
 from fsdpturbo.pattern import Pattern
+from fsdpturbo.ulysses import apply_cp_plan
 
 from . import config_check
 from .config_check import PATCH_KEYS, ConfigError
@@ -77,10 +81,25 @@ class FSDPTurbo(nn.Module):
         self.model = model
         self.parallel_state = init_parallel_state(config)
         config_check.topology(config, dist.get_world_size())  # again: fields change after construction
+        self._apply_context_parallel()
         self._apply_module_patches()
         self._apply_expert_parallel()
         self._apply_recompute()
         self._apply_fully_shard()
+
+    def _apply_context_parallel(self):
+        distributed = self.config.distributed
+        if distributed.ulysses_parallel_size == 1:
+            return
+        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if any(e["type"] == "full_attention" for e in distributed.cp_plan.ulysses_function_patches) \
+                and attention != "eager":
+            raise ConfigError([f"distributed.cp_plan.ulysses_function_patches: full_attention wraps the eager "
+                               f"attention function, but {type(self.model).__name__} attends with {attention!r}, "
+                               f"which does not call it; accepted: a model with attn_implementation='eager'"])
+        problems = apply_cp_plan(self.model, self.parallel_state.get_ulysses_group(), distributed.cp_plan)
+        if problems:
+            raise ConfigError(problems)
 
     def _apply_module_patches(self):
         unmatched = []

@@ -119,7 +119,12 @@ class TPPlanConfig:
 
 @dataclass
 class CPPlanConfig:
-    """Each entry: `{"target_functions": [dotted paths], "type": str}`."""
+    """Each entry: `{"target_functions": [dotted paths], "type": str}`; the types
+    (`fsdpturbo.ulysses`): `ulysses_function_patches` full_attention (an eager attention
+    function, e.g. `transformers.models.qwen3_moe.modeling_qwen3_moe.eager_attention_forward`)
+    and gated_delta_net (`...modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet.forward`);
+    `loss_function_patches` causal_lm_loss (`transformers.loss.loss_utils.ForCausalLMLoss`).
+    Installed when ulysses_parallel_size > 1."""
     ulysses_function_patches: List[dict] = field(default_factory=list)
     loss_function_patches: List[dict] = field(default_factory=list)
 
@@ -128,8 +133,9 @@ class CPPlanConfig:
 class DistributedConfig:
     """Sizes: the dense parameters are HSDP over (data_parallel_size = world / (fsdp · tp),
     fully_shard_parallel_size); the experts over (expert_data_parallel_size = world / (ep ·
-    efsdp), expert_fully_shard_parallel_size, expert_parallel_size). The two derived sizes may
-    be given; they must then equal what they derive to."""
+    efsdp · ulysses), expert_fully_shard_parallel_size, expert_parallel_size), replicated over
+    the Ulysses group; each sequence split over ulysses_parallel_size consecutive ranks. The
+    two derived sizes may be given; they must then equal what they derive to."""
     data_parallel_size: Optional[int] = None
     fully_shard_parallel_size: int = 1
     fsdp_plan: FSDPPlanConfig = None

@@ -29,8 +29,8 @@ import inspect
 import sys
 import types
 
-__all__ = ["PATCH_IDS_ATTR", "apply_module_patch", "callable_id", "import_module_or_suffix", "patch_model_members",
-           "resolve_callable", "resolve_class_member"]
+__all__ = ["PATCH_IDS_ATTR", "apply_module_patch", "callable_id", "current_target", "import_module_or_suffix",
+           "patch_model_members", "resolve_callable", "resolve_class_member"]
 
 PATCH_IDS_ATTR = "_fsdp_turbo_patch_ids"
 
@@ -191,6 +191,18 @@ def _module_member(path):
     except ModuleNotFoundError:
         return None
     return (owner, name) if callable(getattr(owner, name, None)) else None
+
+
+def current_target(target):
+    """What `target` names now: a module-level callable, or a class's member
+    (`"module.Class.member"`; the errors of `resolve_class_member`)."""
+    member = _module_member(target)
+    if member is not None:
+        return getattr(*member)
+    cls, name = resolve_class_member(target)
+    if not hasattr(cls, name):
+        raise AttributeError(f"Class {cls.__qualname__!r} has no member {name!r} (target {target!r}).")
+    return getattr(cls, name)
 
 
 def _patch_module_member(owner, name, replacement):

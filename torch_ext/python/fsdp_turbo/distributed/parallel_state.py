@@ -5,8 +5,9 @@ name, `get_<name>_group`, `get_<name>_group_size`, `get_<name>_rank`,
 `get_<name>_device_mesh` and `is_<name>_enable`.
 
 Mesh names: `dp` and `fsdp` (the dense parameters' HSDP dims; `dp_fsdp` both), `data` (the
-ranks that take different samples: the whole world while there is no context parallelism),
-`ulysses` and `cp` (the context-parallel dim, size 1 until it is built), `ep`, `efsdp`, `edp`
+ranks that take different samples: world / ulysses_parallel_size of them, one per Ulysses
+group, the same data rank on every rank of a Ulysses group), `ulysses` and `cp` (a Ulysses
+group: ulysses_parallel_size consecutive ranks that split each sequence), `ep`, `efsdp`, `edp`
 (`edp_efsdp` both; only with expert_parallel_size > 1). A two-dim name's group, size and rank
 are lists, one per dim.
 """

@@ -10,7 +10,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import balance, expert_bias
+from . import balance, expert_bias, expert_lora
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
 from .consistency import check_same_on_every_rank, collective_step, model_structure
@@ -165,9 +165,15 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     `state`: a `ParallelState` with torch meshes (default: the process-global one, else one
     made from `train_config` for the current world and made global). `device`: where meta
     tensors are materialised (default: the mesh device, the current one for cuda/npu).
+
+    A PEFT model is sharded through the model inside it and returned as itself; with ep > 1 its
+    LoRA adapters on the experts (`target_parameters`) move onto the expert modules first
+    (`fsdpturbo.expert_lora`).
+
     Collective: every rank calls it with the same arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    given, model = model, expert_lora.inner_model(model)
     config, sources = _read_inputs(train_config, weights)
     cfg = config.values
     check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model), **sources},
@@ -186,6 +192,8 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
         _DEVICE_OF_BACKEND.get(dist.get_backend(), "cpu")
     state = state or _state_for(config, device_type)
     device = torch.device(device) if device is not None else _default_device(device_type)
+    if state.ep_size > 1:
+        expert_lora.take_over(model)  # the plan sees the expert modules themselves
     plan = resolve_plan(model, config, state)
     for warning in plan["warnings"]:
         logger.warning("fsdpturbo plan: %s", warning)
@@ -213,4 +221,4 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
                       if dist_cfg.get("offload_params") else None)
     materialize(model, device, weights, dcp_path=dcp_path)
     warmup_grad_norm(model)
-    return model
+    return given

@@ -69,22 +69,23 @@ def expert_parallelize_modules(model, ep_mesh, plan):
                               "EP plan": (plan.apply_modules, dispatcher, plan.fixed_router, plan.apply_efsdp_modules,
                                           plan.gradient_divide_factor, plan.capacity)}, "expert_parallelize_modules")
     expert_lora.take_over(model)
+    matched = match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan)
+    for name, module in matched:
+        if expert_lora.expert_lora(module) is not None:
+            dispatch.check_lora(plan.dispatcher, name)
     ep_group = ep_mesh.get_group()
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router, capacity=plan.capacity)
     reduction = GradientReduction(tuple(replica_groups(ep_mesh)), gradient_divide_factor(plan))
     names = []
-    for name, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
+    for name, module in matched:
         names.append(name)
         num_experts = module.num_experts if hasattr(module, "num_experts") else len(module)
         if num_experts % ep_size:
             raise AssertionError(f"Number of experts({num_experts}) is not divisible by ep size({ep_size}).")
-        lora = expert_lora.expert_lora(module)
-        if lora is not None:
-            dispatch.check_lora(plan.dispatcher, name)
         ep_state.attach(module, ep_state.EPModuleState(
             name=name, num_global_experts=num_experts, num_local_experts=num_experts // ep_size, ep_rank=ep_rank,
-            dispatcher=forward, gradient_reduction=reduction, lora=lora))
+            dispatcher=forward, gradient_reduction=reduction, lora=expert_lora.expert_lora(module)))
         distribute_expert_weights(module, ep_mesh)
         dispatch.install(module)
     router_replay.install(model, names, decoder_layers(model))

@@ -25,10 +25,11 @@ W). A weightless child module `lora` (`ExpertLoRA`, a PEFT tuner layer, so PEFT'
 `peft_names` maps the module's parameters to the names and layout of the PEFT model it came
 from (what `fsdpturbo.adapters` saves and loads).
 """
+import collections
 import dataclasses
 import functools
+from typing import Callable
 
-import torch
 from torch import nn
 
 ADAPTED_WEIGHTS = ("gate_up_proj", "down_proj")  # the expert weights the dispatchers apply
@@ -78,22 +79,25 @@ def engine_up(lora_a, num_experts):
     return lora_a.reshape(num_experts, -1, lora_a.size(1)).transpose(1, 2)
 
 
+PeftClasses = collections.namedtuple("PeftClasses", "ParamWrapper BaseTunerLayer PeftModel")
+
+
 @functools.cache
-def _peft():
-    """PEFT's classes this module meets (ParamWrapper, BaseTunerLayer, PeftModel), or None
-    when PEFT is not installed (then no model has its wrappers)."""
+def peft_classes():
+    """PEFT's classes this package meets (`PeftClasses`), or None when PEFT is not installed
+    (then no model has its wrappers)."""
     try:
         from peft import PeftModel
         from peft.tuners.lora.layer import ParamWrapper
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
         return None
-    return ParamWrapper, BaseTunerLayer, PeftModel
+    return PeftClasses(ParamWrapper, BaseTunerLayer, PeftModel)
 
 
 @functools.cache
 def _expert_lora_class():
-    base_tuner_layer = _peft()[1]
+    base_tuner_layer = peft_classes().BaseTunerLayer
 
     class ExpertLoRA(nn.Module, base_tuner_layer):
         """The LoRA adapters of an experts module (`adapters`: expert weight → `Adapter`; the
@@ -124,8 +128,7 @@ def _expert_lora_class():
 def expert_lora(module):
     """The `ExpertLoRA` of an experts module, or None when it has no adapters."""
     lora = getattr(module, "lora", None)
-    peft = _peft()
-    return lora if peft is not None and isinstance(lora, _expert_lora_class()) else None
+    return lora if peft_classes() is not None and isinstance(lora, _expert_lora_class()) else None
 
 
 def _chain(outer, param_wrapper):
@@ -175,10 +178,10 @@ def take_over(model):
     model or the model inside one) by the experts module itself, carrying the chain's adapters
     in the engine's layout and an `ExpertLoRA`. Returns the names taken over ([] without PEFT
     wrappers, e.g. the second time)."""
-    peft = _peft()
+    peft = peft_classes()
     if peft is None:
         return []
-    param_wrapper = peft[0]
+    param_wrapper = peft.ParamWrapper
     wrappers = {name: m for name, m in model.named_modules() if isinstance(m, param_wrapper)}
     taken = []
     for name, outer in wrappers.items():
@@ -192,15 +195,27 @@ def take_over(model):
 
 def inner_model(model):
     """The model inside a PEFT model (`get_base_model()`); any other model itself."""
-    peft = _peft()
-    return model.get_base_model() if peft is not None and isinstance(model, peft[2]) else model
+    peft = peft_classes()
+    return model.get_base_model() if peft is not None and isinstance(model, peft.PeftModel) else model
+
+
+def _same(tensor):
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftName:
+    """A parameter's name in the PEFT model before `take_over`, and its layout there: the full
+    tensor in PEFT's layout (`to_peft`) and back (`from_peft`)."""
+    name: str
+    to_peft: Callable = _same
+    from_peft: Callable = _same
 
 
 def peft_names(model):
-    """For each parameter of the expert modules with adapters in `model` (named as in `model`):
-    (its name in the PEFT model before `take_over`, what turns the full tensor into PEFT's
-    layout). Names of `model`'s other parameters are PEFT's already. PEFT's parameter names
-    hold the adapter name (`….lora_A.default.weight`); its files drop it."""
+    """{name in `model`: `PeftName`} for the parameters of the expert modules with adapters in
+    `model`; `model`'s other parameters have PEFT's names and layout already. PEFT's parameter
+    names hold the adapter name (`….lora_A.default.weight`); its files drop it."""
     out = {}
     for prefix, module in model.named_modules():
         lora = expert_lora(module)
@@ -210,16 +225,15 @@ def peft_names(model):
         factors = {n for weight in lora.adapters for n in (down_name(weight), up_name(weight))}
         for name, _ in module.named_parameters(recurse=False):
             if name not in factors:
-                out[f"{prefix}.{name}"] = (f"{base}.{name}", _same)
+                out[f"{prefix}.{name}"] = PeftName(f"{base}.{name}")
         for weight, adapter in lora.adapters.items():
-            wrapper = f"{prefix}{adapter.peft_path}"
-            out[f"{prefix}.{up_name(weight)}"] = (f"{wrapper}.lora_A.{lora.adapter_name}.weight", peft_lora_a)
-            out[f"{prefix}.{down_name(weight)}"] = (f"{wrapper}.lora_B.{lora.adapter_name}.weight", peft_lora_b)
+            wrapper, experts = f"{prefix}{adapter.peft_path}", getattr(module, weight).size(0)
+            out[f"{prefix}.{up_name(weight)}"] = PeftName(f"{wrapper}.lora_A.{lora.adapter_name}.weight", peft_lora_a,
+                                                          functools.partial(engine_up, num_experts=experts))
+            out[f"{prefix}.{down_name(weight)}"] = PeftName(f"{wrapper}.lora_B.{lora.adapter_name}.weight",
+                                                            peft_lora_b,
+                                                            functools.partial(engine_down, num_experts=experts))
     return out
-
-
-def _same(tensor):
-    return tensor
 
 
 def to_peft(model, tensors):
@@ -228,6 +242,6 @@ def to_peft(model, tensors):
     names = peft_names(model)
     out = {}
     for name, tensor in tensors.items():
-        peft_name, layout = names.get(name, (name, _same))
-        out[peft_name] = layout(tensor)
+        peft = names.get(name, PeftName(name))
+        out[peft.name] = peft.to_peft(tensor)
     return out

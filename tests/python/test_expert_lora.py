@@ -4,13 +4,14 @@ ranks, against the same PEFT model in one process on the whole global batch
 (fsdpturbo.parity): loss, every adapter gradient, the grad norm and the adapters after AdamW
 steps, element by element, with activation checkpointing and gradient accumulation; the base
 weights frozen (no gradient, no optimizer state)."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
 
-pytest.importorskip("peft")  # requirements-dev.txt pins it
 pytestmark = [pytest.mark.parity]
 
 SEQ, MICRO_BATCHES, STEPS, LR = 6, 2, 2, 1e-3
@@ -118,7 +119,8 @@ def _train_rank_fn(rank, world, layouts):
                               capacity_factor=layout.get("capacity_factor"))
         model = shard_model(model, config, state=state)
         experts = model.get_base_model().model.layers[0].mlp.experts
-        assert expert_lora.expert_lora(experts) is not None, where
+        # ep 1: no expert parallelism, PEFT's own wrappers stay (under the outer FSDP2)
+        assert (expert_lora.expert_lora(experts) is not None) == (layout["ep"] > 1), where
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         assert trainable == {name for name in trainable if "lora_" in name} and \
             sum(".mlp.experts." in name for name in trainable) == 8, (where, sorted(trainable))
@@ -150,15 +152,16 @@ def _train_rank_fn(rank, world, layouts):
 # On 4 ranks; efsdp None = dp/ep (2 with ep 2, 1 with ep 4). Capacity factor 8: room for every slot.
 LAYOUTS = [dict(ep=2, dispatcher="eager"), dict(ep=4, dispatcher="fused"), dict(ep=2, efsdp=1, dispatcher="domino"),
            dict(ep=2, dispatcher="fused", capacity_factor=8.0),
-           dict(ep=2, dispatcher="eager", capacity_factor=8.0, family="qwen3_5_moe")]
+           dict(ep=2, dispatcher="eager", capacity_factor=8.0, family="qwen3_5_moe"), dict(ep=1, dispatcher="eager")]
 
 
 def test_expert_lora_training_equals_one_process_peft():
     """(ep 2, efsdp 2) eager, (ep 4) fused, (ep 2, efsdp 1, edp 2) domino and the capacity-bounded
-    dispatch (fused; eager on Qwen3.5-MoE) on 4 ranks: the PEFT model's loss, every adapter
-    gradient (experts and attention), the grad norm and every parameter after each AdamW step
-    equal the one-process PEFT model's, with activation checkpointing and 2 micro-batches of
-    gradient accumulation; the base weights get no gradient and no optimizer state."""
+    dispatch (fused; eager on Qwen3.5-MoE) on 4 ranks, and ep 1 (FSDP2 alone): the PEFT model's
+    loss, every adapter gradient (experts and attention), the grad norm and every parameter
+    after each AdamW step equal the one-process PEFT model's, with activation checkpointing and
+    2 micro-batches of gradient accumulation; the base weights get no gradient and no optimizer
+    state."""
     run_ranks(_train_rank_fn, 4, LAYOUTS, timeout=900)
 
 
@@ -172,12 +175,13 @@ def _gathered_logits(model, ids):
     return torch.cat(out)
 
 
-def logits_gate(one_process, ids):
-    """The parity gate of the one-process model's logits on the batch `ids`."""
+def logits_gate(one_process, ids, adapters=True):
+    """The parity gate of the one-process PEFT model's logits on the batch `ids` (without
+    `adapters`: under PEFT's `disable_adapter()`)."""
     from fsdpturbo.parity import Reference
 
     def step_fn(model, order):
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.nullcontext() if adapters else model.disable_adapter():
             return {"logits": model(input_ids=ids[order]).logits[torch.argsort(order)]}
 
     return Reference(one_process).step(step_fn, rows=ids.size(0))
@@ -282,3 +286,93 @@ def _local_logits(model, ids):
 
 def test_adapter_out_and_in_at_any_layout(tmp_path):
     run_ranks(_adapters_rank_fn, 4, str(tmp_path), timeout=600)
+
+
+def loss_step(ids):
+    def step_fn(model, order):
+        loss = model(input_ids=ids[order], labels=ids[order]).loss
+        loss.backward()
+        return {"loss": loss}
+
+    return step_fn
+
+
+EXPERT_PATTERN = ["model.layers.{*}.mlp.experts"]
+
+
+def _drop_in_rank_fn(rank, world):
+    """The seed's entry point on the model inside a PEFT model, as LlamaFactory's engine calls
+    it (`fsdp_turbo...expert_parallelize_modules`, expert parallelism alone): the loss and the
+    expert adapters' gradients equal the one-process PEFT model's; PEFT's `disable_adapter()`
+    turns the expert adapters off (the logits are the base model's, and the logits with the
+    adapters are rejected against them); a user's callable dispatcher and a second adapter on
+    the experts are refused, naming the module."""
+    import fsdpturbo
+    from fsdp_turbo.distributed.expert_parallel.expert_parallel import expert_parallelize_modules
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+    from fsdpturbo.parity import ParityError, Reference
+
+    ep_mesh = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu").sub_mesh("ep")
+    reference = Reference(build_peft_model())
+    model = build_peft_model()
+    expert_parallelize_modules(model.get_base_model(), ep_mesh,
+                               EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher="fused"))
+    ids = _micro_batches(0, world)[0]
+    loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+    loss.backward()
+    gate = reference.step(loss_step(ids), rows=world)
+    dist.all_reduce(mean := loss.detach().clone())
+    gate.check("loss", mean / world, "drop-in")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and ".mlp.experts." in n}
+    assert len(grads) == 8
+    gate.check_all({f"grad {n}": g for n, g in peft_full(model, grads).items()}, "drop-in")
+
+    with model.disable_adapter():
+        without = _gathered_logits(model, ids)
+    base_gate = logits_gate(build_peft_model(), ids, adapters=False)
+    base_gate.check("logits", without, "disable_adapter()")
+    with pytest.raises(ParityError):
+        base_gate.check("logits", _gathered_logits(model, ids), "adapters on")
+
+    user = build_peft_model()
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts has LoRA adapters .* \['domino', 'eager'"):
+        expert_parallelize_modules(user.get_base_model(), ep_mesh,
+                                   EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher=lambda *args: None))
+    two = build_peft_model()  # PEFT's add_adapter refuses a second adapter on parameters; its layer API does not
+    two.get_base_model().model.layers[0].mlp.experts.update_layer("second", 2, lora_alpha=4, lora_dropout=0.0,
+                                                                  init_lora_weights=True, use_rslora=False)
+    with pytest.raises(ValueError, match=r"holds the LoRA adapters \['default', 'second'\]"):
+        expert_parallelize_modules(two.get_base_model(), ep_mesh,
+                                   EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher="eager"))
+
+
+def test_drop_in_entry_point_disable_adapter_and_refusals():
+    run_ranks(_drop_in_rank_fn, 2, timeout=300)
+
+
+def _compiled_rank_fn(rank, world):
+    """The capacity-bounded dispatch with expert LoRA compiled whole (inductor): loss and every
+    adapter gradient against the one-process PEFT model; no graph break but FSDP2's hooks."""
+    from test_compile import FSDP_HOOKS, _breaks
+    from test_train import _layout_state, train_config
+
+    from fsdpturbo.engine import shard_model
+    from fsdpturbo.parity import Reference
+
+    reference = Reference(build_peft_model())
+    model = shard_model(build_peft_model(), train_config(2, dispatcher="fused", capacity_factor=8.0),
+                        state=_layout_state(world, 2, None, 1))
+    ids = _micro_batches(0, world)[0]
+    loss = torch.compile(model)(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1], use_cache=False).loss
+    loss.backward()
+    gate = reference.step(loss_step(ids), rows=world)
+    dist.all_reduce(mean := loss.detach().clone())
+    gate.check("loss", mean / world, "compiled")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    gate.check_all({f"grad {n}": g for n, g in peft_full(model, grads).items()}, "compiled")
+    explained = torch._dynamo.explain(model)(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1], use_cache=False)
+    assert _breaks(explained) <= {FSDP_HOOKS}, _breaks(explained)
+
+
+def test_compiled_capacity_mode_with_expert_lora():
+    run_ranks(_compiled_rank_fn, 2, timeout=900)

@@ -8,7 +8,7 @@
 //!   (`sort_by_key` on the ids + bincount), which is what `torch.argsort(stable=True)` does.
 //!   The torch `argsort` path itself is measured from Python.
 //! - permute / unpermute (bf16, H = 2048, T = 2048 × top-8): GB/s of bytes moved.
-//! - grouped_matmul GFLOP/s for a Qwen3-30B-A3B-like CPU-sized layer: 16 local experts, 2048
+//! - grouped_mm GFLOP/s for a Qwen3-30B-A3B-like CPU-sized layer: 16 local experts, 2048
 //!   routed rows, H = 2048, I = 768 (gate_up [16, 1536, 2048], down [16, 2048, 768]), forward
 //!   and both backward pieces, f32 and bf16, on all cores and on one; plus one dense
 //!   2048³ GEMM (one group) as the kernel's large-problem rate.
@@ -230,7 +230,7 @@ fn gemm(rounds: usize) {
     let mut rng = Rng(5);
     let counts = group_rows(&mut rng, rows, groups);
     println!(
-        "\ngrouped_matmul, {groups} local experts, {rows} rows (two experts empty), H={h} I={i}; \
+        "\ngrouped_mm, {groups} local experts, {rows} rows (two experts empty), H={h} I={i}; \
          GFLOP/s = 2·N·in·out / time, medians of {rounds}, {threads} threads unless stated:"
     );
     for ty in [Ty::F32, Ty::Bf16] {
@@ -246,18 +246,16 @@ fn gemm(rounds: usize) {
             let times = bench(
                 rounds,
                 &mut [
-                    &mut || grouped_matmul(x.get(), &counts, w.get(), fin, fout, y.get_mut()).unwrap(),
+                    &mut || grouped_mm(x.get(), &counts, w.get(), fin, fout, y.get_mut()).unwrap(),
                     &mut || {
-                        grouped_matmul_with(x.get(), &counts, w.get(), fin, fout, y1.get_mut(), ONE_THREAD)
+                        grouped_mm_with(x.get(), &counts, w.get(), fin, fout, y1.get_mut(), ONE_THREAD)
                             .unwrap()
                     },
                     &mut || {
-                        grouped_matmul_grad_input(gy.get(), &counts, w.get(), fin, fout, gx.get_mut())
-                            .unwrap()
+                        grouped_mm_grad_input(gy.get(), &counts, w.get(), fin, fout, gx.get_mut()).unwrap()
                     },
                     &mut || {
-                        grouped_matmul_grad_weight(gy.get(), x.get(), &counts, fin, fout, gw.get_mut())
-                            .unwrap()
+                        grouped_mm_grad_weight(gy.get(), x.get(), &counts, fin, fout, gw.get_mut()).unwrap()
                     },
                 ],
             );
@@ -283,8 +281,8 @@ fn gemm(rounds: usize) {
         let counts = [n as u64];
         let times = bench(
             rounds.min(5),
-            &mut [&mut || grouped_matmul(x.get(), &counts, w.get(), n, n, y.get_mut()).unwrap(), &mut || {
-                grouped_matmul_with(x.get(), &counts, w.get(), n, n, y1.get_mut(), ONE_THREAD).unwrap()
+            &mut [&mut || grouped_mm(x.get(), &counts, w.get(), n, n, y.get_mut()).unwrap(), &mut || {
+                grouped_mm_with(x.get(), &counts, w.get(), n, n, y1.get_mut(), ONE_THREAD).unwrap()
             }],
         );
         let flops = 2.0 * (n * n * n) as f64;

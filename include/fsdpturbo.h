@@ -20,12 +20,6 @@
 #define FSDPTURBO_MODEL_DESC_INIT { sizeof(fsdpturbo_model_desc_t), NULL, NULL, 0, NULL, NULL, NULL, 0 }
 
 
-// Bytes of an HCCL root info (`HcclRootInfo`).
-#define FSDPTURBO_HCCL_ROOT_INFO_BYTES 4108
-
-// Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
-#define FSDPTURBO_HCCL_COMM_NAME_BYTES 128
-
 // Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 #define FSDPTURBO_REDUCE_PROD 2
 
@@ -66,6 +60,12 @@
 
 // Element type code: int64_t (collectives only).
 #define FSDPTURBO_DTYPE_I64 6
+
+// Bytes of an HCCL root info (`HcclRootInfo`).
+#define FSDPTURBO_HCCL_ROOT_INFO_BYTES 4108
+
+// Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
+#define FSDPTURBO_HCCL_COMM_NAME_BYTES 128
 
 // Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
 #define FSDPTURBO_REDUCE_SUM 0
@@ -199,8 +199,8 @@ typedef struct fsdpturbo_read_plan_t fsdpturbo_read_plan_t;
 // A parsed, validated safetensors header.
 typedef struct fsdpturbo_safetensors_t fsdpturbo_safetensors_t;
 
-// An opaque, immutable topology. Made by fsdpturbo_topology_new or fsdpturbo_state_get; freed
-// with fsdpturbo_topology_free.
+// An opaque, immutable topology. Made by fsdpturbo_topology_new,
+// fsdpturbo_topology_from_config or fsdpturbo_state_get; freed with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
 
 // Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
@@ -405,37 +405,6 @@ typedef struct {
 extern "C" {
 #endif // __cplusplus
 
-// Writes a fresh HCCL root info (`FSDPTURBO_HCCL_ROOT_INFO_BYTES` bytes) to `out`; call on one
-// rank and send the bytes to every rank of the group.
-int32_t fsdpturbo_hccl_root_info(uint8_t *out, size_t len);
-
-// Joins the HCCL communicator of `world_size` ranks described by `root` (`len` bytes).
-int32_t fsdpturbo_hccl_comm_new(const uint8_t *root,
-                                size_t len,
-                                uint32_t world_size,
-                                uint32_t rank,
-                                fsdpturbo_hccl_comm_t **out);
-
-// Writes the communicator's name (`HcclGetCommName`, NUL-terminated) to `out`, which holds
-// `len` bytes; `len` must be at least FSDPTURBO_HCCL_COMM_NAME_BYTES (128).
-int32_t fsdpturbo_hccl_comm_name(const fsdpturbo_hccl_comm_t *comm, char *out, size_t len);
-
-// Destroys a communicator; NULL is a no-op.
-void fsdpturbo_hccl_comm_free(fsdpturbo_hccl_comm_t *comm);
-
-// All-to-all-v of `dtype` (FSDPTURBO_DTYPE_*) elements: `world_size` counts and displacements
-// per direction, in elements; queued on `stream`.
-int32_t fsdpturbo_hccl_all_to_all_v(const fsdpturbo_hccl_comm_t *comm,
-                                    const void *send,
-                                    void *recv,
-                                    const uint64_t *send_counts,
-                                    const uint64_t *send_displs,
-                                    const uint64_t *recv_counts,
-                                    const uint64_t *recv_displs,
-                                    size_t world_size,
-                                    int32_t dtype,
-                                    void *stream);
-
 // Adds directories searched for every vendor library (NCCL, cuBLAS, NVRTC, the CUDA driver,
 // HCCL, ...) after its FSDPTURBO_*_PATH variable and before the system loader, in order. The
 // Python package passes the `nvidia/*/lib` folders of the installed wheels.
@@ -555,8 +524,12 @@ void fsdpturbo_config_free(fsdpturbo_config_t *config);
 // Writes the whole configuration as JSON (NUL-terminated) into `buf` of `cap` bytes.
 // `*out_len` receives the bytes needed including the NUL; a short buffer (NULL is fine with
 // `cap` 0) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL and is left untouched. Keys are those of the
-// YAML; `dist` and `kernel` are null when the YAML has none; `dp_size`, `mp_shard_size` and
-// `dist.efsdp_size` are null when left to their defaults.
+// YAML, every default filled in: `dist` holds every dist_config key also when the YAML has no
+// dist_config. Null stands for what no default fills: `kernel` without a kernel_config,
+// `dist.capacity_factor`, `dist.expert_capacity` and `dist.capacity_overflow` without a
+// capacity, unset `dist.dcp_path` and `dist.expert_bias_update_rate`, and `dp_size`,
+// `mp_shard_size` and `dist.efsdp_size` left to their formulas of the world size
+// (fsdpturbo_topology_from_config applies them).
 int32_t fsdpturbo_config_to_json(const fsdpturbo_config_t *config,
                                  char *buf,
                                  size_t cap,
@@ -588,6 +561,84 @@ size_t fsdpturbo_last_error(char *buf, size_t len);
 // integers that are not a status. The string is static.
 const char *fsdpturbo_status_name(int32_t status);
 
+// Grouped matmul (the experts' GEMM): `x[N, in_features]` holds `group_rows[g]` consecutive
+// rows for each of the `groups` groups (N = sum of group_rows), `weight[groups, out_features,
+// in_features]` (the HF expert layout), and `y[rows of g] = x[rows of g] @ weight[g]^T`,
+// `y[N, out_features]`. One element type for all buffers (F32, F64, BF16, F16; bf16/f16
+// accumulate in f32); `*_bytes` must match the shapes exactly. Empty groups are fine. Large
+// problems use all cores; results do not depend on the thread count.
+int32_t fsdpturbo_grouped_mm(int32_t dtype,
+                             const void *x,
+                             size_t x_bytes,
+                             const uint64_t *group_rows,
+                             size_t groups,
+                             size_t in_features,
+                             size_t out_features,
+                             const void *weight,
+                             size_t weight_bytes,
+                             void *y,
+                             size_t y_bytes);
+
+// The input gradient of fsdpturbo_grouped_mm: `grad_x[rows of g] = grad_y[rows of g] @
+// weight[g]`, `grad_y[N, out_features]`, `grad_x[N, in_features]`; shapes and types as there.
+int32_t fsdpturbo_grouped_mm_grad_input(int32_t dtype,
+                                        const void *grad_y,
+                                        size_t grad_y_bytes,
+                                        const uint64_t *group_rows,
+                                        size_t groups,
+                                        size_t in_features,
+                                        size_t out_features,
+                                        const void *weight,
+                                        size_t weight_bytes,
+                                        void *grad_x,
+                                        size_t grad_x_bytes);
+
+// The weight gradient of fsdpturbo_grouped_mm: `grad_weight[g] = grad_y[rows of g]^T @
+// x[rows of g]`, `grad_weight[groups, out_features, in_features]`, zero for empty groups;
+// shapes and types as there.
+int32_t fsdpturbo_grouped_mm_grad_weight(int32_t dtype,
+                                         const void *grad_y,
+                                         size_t grad_y_bytes,
+                                         const void *x,
+                                         size_t x_bytes,
+                                         const uint64_t *group_rows,
+                                         size_t groups,
+                                         size_t in_features,
+                                         size_t out_features,
+                                         void *grad_weight,
+                                         size_t grad_weight_bytes);
+
+// Writes a fresh HCCL root info (`FSDPTURBO_HCCL_ROOT_INFO_BYTES` bytes) to `out`; call on one
+// rank and send the bytes to every rank of the group.
+int32_t fsdpturbo_hccl_root_info(uint8_t *out, size_t len);
+
+// Joins the HCCL communicator of `world_size` ranks described by `root` (`len` bytes).
+int32_t fsdpturbo_hccl_comm_new(const uint8_t *root,
+                                size_t len,
+                                uint32_t world_size,
+                                uint32_t rank,
+                                fsdpturbo_hccl_comm_t **out);
+
+// Writes the communicator's name (`HcclGetCommName`, NUL-terminated) to `out`, which holds
+// `len` bytes; `len` must be at least FSDPTURBO_HCCL_COMM_NAME_BYTES (128).
+int32_t fsdpturbo_hccl_comm_name(const fsdpturbo_hccl_comm_t *comm, char *out, size_t len);
+
+// Destroys a communicator; NULL is a no-op.
+void fsdpturbo_hccl_comm_free(fsdpturbo_hccl_comm_t *comm);
+
+// All-to-all-v of `dtype` (FSDPTURBO_DTYPE_*) elements: `world_size` counts and displacements
+// per direction, in elements; queued on `stream`.
+int32_t fsdpturbo_hccl_all_to_all_v(const fsdpturbo_hccl_comm_t *comm,
+                                    const void *send,
+                                    void *recv,
+                                    const uint64_t *send_counts,
+                                    const uint64_t *send_displs,
+                                    const uint64_t *recv_counts,
+                                    const uint64_t *recv_displs,
+                                    size_t world_size,
+                                    int32_t dtype,
+                                    void *stream);
+
 // Writes the name of the instruction set the host kernels use in this process, "portable",
 // "avx2" or "avx512" (a static string), to `*out_name`. It is the best this CPU and this build
 // have (avx512: AVX-512F and a build by rustc >= 1.89; avx2: AVX2, FMA and F16C; portable:
@@ -597,7 +648,7 @@ const char *fsdpturbo_status_name(int32_t status);
 //
 // A value of FSDPTURBO_HOST_ISA that is none of those is FSDPTURBO_ERR_INVALID_ARGUMENT, one
 // that names an instruction set this CPU or build lacks FSDPTURBO_ERR_UNAVAILABLE, here and from
-// every host kernel (fsdpturbo_grouped_matmul and its gradients, fsdpturbo_unpermute,
+// every host kernel (fsdpturbo_grouped_mm and its gradients, fsdpturbo_unpermute,
 // fsdpturbo_local_power_sum, fsdpturbo_scale_in_place, fsdpturbo_clip_grad_norm*), with a
 // message naming the variable, the value, what is accepted and what this host supports.
 int32_t fsdpturbo_host_isa(const char **out_name);
@@ -666,19 +717,19 @@ int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
 // (`group_list`: int64, one entry per group) on `stream`. `group_type` 0: x [M,K], weight
 // [G,K,N], out [M,N], `split_item` 2; `group_type` 2 (split along K): x [M,K], weight [K,N],
 // out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
-int32_t fsdpturbo_npu_grouped_matmul(int32_t dtype,
-                                     const fsdpturbo_npu_view_t *x,
-                                     const fsdpturbo_npu_view_t *weight,
-                                     const fsdpturbo_npu_view_t *group_list,
-                                     const fsdpturbo_npu_view_t *out,
-                                     int64_t split_item,
-                                     int64_t group_type,
-                                     fsdpturbo_npu_alloc_fn alloc,
-                                     void *alloc_ctx,
-                                     void *stream);
+int32_t fsdpturbo_npu_grouped_mm(int32_t dtype,
+                                 const fsdpturbo_npu_view_t *x,
+                                 const fsdpturbo_npu_view_t *weight,
+                                 const fsdpturbo_npu_view_t *group_list,
+                                 const fsdpturbo_npu_view_t *out,
+                                 int64_t split_item,
+                                 int64_t group_type,
+                                 fsdpturbo_npu_alloc_fn alloc,
+                                 void *alloc_ctx,
+                                 void *stream);
 
 // The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
-int32_t fsdpturbo_npu_grouped_matmul_version(uint32_t *out);
+int32_t fsdpturbo_npu_grouped_mm_version(uint32_t *out);
 
 // `aclnnMoeTokenPermute`: `permuted` ([T·K, H]) gets the rows of `tokens` ([T, H]) in the
 // stable order of `indices` (int32, [T, K]; K ≤ 512), and `sorted_indices` (int32, [T·K]) the
@@ -707,27 +758,27 @@ int32_t fsdpturbo_npu_moe_token_unpermute(int32_t dtype,
 // expert) to their experts' ranks, permuted local-expert-major (also written to `permute_out`,
 // [Σ recv_counts, K], unless NULL), times the weight of their expert: `gmm_y` [Σ recv_counts, N].
 // bfloat16 or float16 (`dtype`); every rank of the communicator calls it.
-int32_t fsdpturbo_npu_alltoallv_grouped_matmul(int32_t dtype,
-                                               const fsdpturbo_npu_view_t *x,
-                                               const fsdpturbo_npu_view_t *weight,
-                                               const fsdpturbo_npu_exchange_t *exchange_spec,
-                                               const fsdpturbo_npu_view_t *gmm_y,
-                                               const fsdpturbo_npu_view_t *permute_out,
-                                               fsdpturbo_npu_alloc_fn alloc,
-                                               void *alloc_ctx,
-                                               void *stream);
+int32_t fsdpturbo_npu_alltoallv_grouped_mm(int32_t dtype,
+                                           const fsdpturbo_npu_view_t *x,
+                                           const fsdpturbo_npu_view_t *weight,
+                                           const fsdpturbo_npu_exchange_t *exchange_spec,
+                                           const fsdpturbo_npu_view_t *gmm_y,
+                                           const fsdpturbo_npu_view_t *permute_out,
+                                           fsdpturbo_npu_alloc_fn alloc,
+                                           void *alloc_ctx,
+                                           void *stream);
 
 // `aclnnGroupedMatMulAlltoAllv`: local-expert-major rows `x` ([Σ send_counts, K]) times their
 // expert's weight, put back in source order and returned to the ranks they came from: `y`
 // [Σ recv_counts, N]. bfloat16 or float16; every rank of the communicator calls it.
-int32_t fsdpturbo_npu_grouped_matmul_alltoallv(int32_t dtype,
-                                               const fsdpturbo_npu_view_t *x,
-                                               const fsdpturbo_npu_view_t *weight,
-                                               const fsdpturbo_npu_exchange_t *exchange_spec,
-                                               const fsdpturbo_npu_view_t *y,
-                                               fsdpturbo_npu_alloc_fn alloc,
-                                               void *alloc_ctx,
-                                               void *stream);
+int32_t fsdpturbo_npu_grouped_mm_alltoallv(int32_t dtype,
+                                           const fsdpturbo_npu_view_t *x,
+                                           const fsdpturbo_npu_view_t *weight,
+                                           const fsdpturbo_npu_exchange_t *exchange_spec,
+                                           const fsdpturbo_npu_view_t *y,
+                                           fsdpturbo_npu_alloc_fn alloc,
+                                           void *alloc_ctx,
+                                           void *stream);
 
 // Registers a new implementation of `op_name` for `device_type` ("cpu", "cuda", "npu", …: a
 // torch device type, without an index) in the process-wide registry. `*out_impl` receives its
@@ -896,7 +947,7 @@ int32_t fsdpturbo_plan_ep_module(const fsdpturbo_plan_t *plan,
 // The role of parameter `name` (FSDPTURBO_PARAM_*); an unknown name is an error.
 int32_t fsdpturbo_plan_param_role(const fsdpturbo_plan_t *plan, const char *name, int32_t *out);
 
-// What every gradient is divided by after its reduction (DESIGN §4.1).
+// What every gradient is divided by after its reduction (docs/design.md §4.1).
 int32_t fsdpturbo_plan_gradient_divide_factor(const fsdpturbo_plan_t *plan, double *out);
 
 // The global expert indices `rank` holds (`local_expert_indices`).
@@ -921,7 +972,7 @@ int32_t fsdpturbo_plan_to_json(const fsdpturbo_plan_t *plan,
                                size_t cap,
                                size_t *out_len);
 
-// Routes this rank's tokens (DESIGN section 4.4; the seed's `dispatch_preprocess` and first sort).
+// Routes this rank's tokens (docs/design.md §4.4; the seed's `dispatch_preprocess` and first sort).
 // `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
 // gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
 // - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;
@@ -978,53 +1029,6 @@ int32_t fsdpturbo_unpermute(int32_t dtype,
                             size_t probs_bytes,
                             void *out,
                             size_t out_bytes);
-
-// Grouped matmul (the experts' GEMM): `x[N, in_features]` holds `group_rows[g]` consecutive
-// rows for each of the `groups` groups (N = sum of group_rows), `weight[groups, out_features,
-// in_features]` (the HF expert layout), and `y[rows of g] = x[rows of g] @ weight[g]^T`,
-// `y[N, out_features]`. One element type for all buffers (F32, F64, BF16, F16; bf16/f16
-// accumulate in f32); `*_bytes` must match the shapes exactly. Empty groups are fine. Large
-// problems use all cores; results do not depend on the thread count.
-int32_t fsdpturbo_grouped_matmul(int32_t dtype,
-                                 const void *x,
-                                 size_t x_bytes,
-                                 const uint64_t *group_rows,
-                                 size_t groups,
-                                 size_t in_features,
-                                 size_t out_features,
-                                 const void *weight,
-                                 size_t weight_bytes,
-                                 void *y,
-                                 size_t y_bytes);
-
-// The input gradient of fsdpturbo_grouped_matmul: `grad_x[rows of g] = grad_y[rows of g] @
-// weight[g]`, `grad_y[N, out_features]`, `grad_x[N, in_features]`; shapes and types as there.
-int32_t fsdpturbo_grouped_matmul_grad_input(int32_t dtype,
-                                            const void *grad_y,
-                                            size_t grad_y_bytes,
-                                            const uint64_t *group_rows,
-                                            size_t groups,
-                                            size_t in_features,
-                                            size_t out_features,
-                                            const void *weight,
-                                            size_t weight_bytes,
-                                            void *grad_x,
-                                            size_t grad_x_bytes);
-
-// The weight gradient of fsdpturbo_grouped_matmul: `grad_weight[g] = grad_y[rows of g]^T @
-// x[rows of g]`, `grad_weight[groups, out_features, in_features]`, zero for empty groups;
-// shapes and types as there.
-int32_t fsdpturbo_grouped_matmul_grad_weight(int32_t dtype,
-                                             const void *grad_y,
-                                             size_t grad_y_bytes,
-                                             const void *x,
-                                             size_t x_bytes,
-                                             const uint64_t *group_rows,
-                                             size_t groups,
-                                             size_t in_features,
-                                             size_t out_features,
-                                             void *grad_weight,
-                                             size_t grad_weight_bytes);
 
 // The number of bytes before a safetensors file's data section (8 + the JSON header length),
 // from its first `len` (>= 8) bytes at `prefix`: how many bytes to read from the start of the
@@ -1169,6 +1173,16 @@ void fsdpturbo_state_reset(void);
 // names them and what is accepted).
 int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
                                fsdpturbo_topology_t **out);
+
+// Builds the topology that `config` asks for on `world_size` ranks and stores a new handle in
+// `*out` (NULL on failure): its dp_size, cp_size, mp_replicate_size, mp_shard_size and
+// dist_config's ep_size and efsdp_size, each one the YAML leaves unset taking its default
+// formula, as with fsdpturbo_topology_new. Errors: FSDPTURBO_ERR_NULL_ARGUMENT,
+// FSDPTURBO_ERR_TOPOLOGY (sizes that do not fit `world_size`; the message names them and
+// what is accepted).
+int32_t fsdpturbo_topology_from_config(const fsdpturbo_config_t *config,
+                                       uint64_t world_size,
+                                       fsdpturbo_topology_t **out);
 
 // Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
 // can be called while cleaning up after a failure.

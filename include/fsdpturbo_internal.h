@@ -14,7 +14,7 @@
 #include <stdbool.h>
 #include "fsdpturbo.h"
 
-// fsdpturbo_cuda_grouped_matmul `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
+// fsdpturbo_cuda_grouped_mm `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
 #define FSDPTURBO_GEMM_FORWARD 0
 
 // grad_x = grad_y_g @ W[g] (a = grad_y, b = W, c = grad_x).
@@ -118,28 +118,28 @@ int32_t fsdpturbo_cuda_scale(int32_t device,
                              size_t chunks,
                              double coef);
 
-// Workspace bytes of fsdpturbo_cuda_grouped_matmul.
-size_t fsdpturbo_cuda_grouped_matmul_workspace(size_t groups);
+// Workspace bytes of fsdpturbo_cuda_grouped_mm.
+size_t fsdpturbo_cuda_grouped_mm_workspace(size_t groups);
 
 // One GEMM of the grouped matmul on cuBLAS (FSDPTURBO_GEMM_* `kind`) over groups of
 // `counts[g]` consecutive rows (`counts` in host memory), `in_features`/`out_features` of the
 // expert weights `[groups, out, in]`, FSDPTURBO_DTYPE_* `dtype` (16-bit types compute in f32).
 // Empty groups give no rows and a zero weight gradient. `use_loop` forces one cublasGemmEx per
 // group (also the fallback where cublasGemmGroupedBatchedEx is missing). Does not wait.
-int32_t fsdpturbo_cuda_grouped_matmul(int32_t device,
-                                      void *stream,
-                                      int32_t dtype,
-                                      int32_t kind,
-                                      const void *a,
-                                      const void *b,
-                                      void *c,
-                                      const uint64_t *counts,
-                                      size_t groups,
-                                      size_t in_features,
-                                      size_t out_features,
-                                      bool use_loop,
-                                      void *workspace,
-                                      size_t workspace_bytes);
+int32_t fsdpturbo_cuda_grouped_mm(int32_t device,
+                                  void *stream,
+                                  int32_t dtype,
+                                  int32_t kind,
+                                  const void *a,
+                                  const void *b,
+                                  void *c,
+                                  const uint64_t *counts,
+                                  size_t groups,
+                                  size_t in_features,
+                                  size_t out_features,
+                                  bool use_loop,
+                                  void *workspace,
+                                  size_t workspace_bytes);
 
 // The compute capability of CUDA device `device` as major*10 + minor (90 on an H100/H200).
 int32_t fsdpturbo_cuda_compute_capability(int32_t device, uint32_t *out_cc);

@@ -34,6 +34,14 @@ if ! cmp -s tests/llamafactory/requirements.txt .venv/llamafactory/.requirements
     -r tests/llamafactory/requirements.txt
   cp tests/llamafactory/requirements.txt .venv/llamafactory/.requirements
 fi
+# verl's engine, the real consumer of fsdp_turbo's standalone API that the ctest entry verl_engine
+# runs on our package: its own folder, installed the same way.
+if ! cmp -s tests/verl/requirements.txt .venv/verl/.requirements; then
+  step "verl's engine (.venv/verl)"
+  rm -rf .venv/verl
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/verl -r tests/verl/requirements.txt
+  cp tests/verl/requirements.txt .venv/verl/.requirements
+fi
 
 step "building the Rust library, the C tests and the torch op library (build/; the first build takes about 5 minutes)"
 configure_log=$(mktemp)

@@ -1,5 +1,5 @@
-//! The module-name pattern language of the seed (`module_name_match`, reference
-//! `seed-semantics.md` §2), compiled once and matched many times.
+//! The module-name pattern language of the seed (`module_name_match`; where we differ:
+//! docs/seed.md), compiled once and matched many times.
 //!
 //! A pattern is a module name with three kinds of wildcard:
 //! - `{*}` matches one or more decimal digits; `{a-b}` matches one or more digits whose value

@@ -6,11 +6,11 @@
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
-use crate::config::{Dispatcher, DistConfig, FsdpImplementation, py_list};
+use crate::config::{Dispatcher, DistConfig, FsdpImplementation, TrainConfig, py_list};
 use crate::error::{Error, ErrorKind, Result};
 use crate::pattern::PatternSet;
 use crate::spec::{ModelSpec, ModelTree, ParamInfo};
-use crate::topology::Topology;
+use crate::topology::{Topology, TopologySpec};
 
 /// The most experts one EP module may have (models have up to a few hundred); it bounds the
 /// per-expert tables a plan builds.
@@ -58,8 +58,11 @@ pub struct Plan {
     /// The role of every parameter of the planned tree, in the tree's order. The plan
     /// annotates the tree rather than copying its names: a 235B model has 37k of them.
     pub roles: Vec<ParamRole>,
-    /// What every gradient is divided by after its reduction: the world size, since each
-    /// rank's loss is the mean over its own tokens (DESIGN §4.1).
+    /// What every gradient is divided by after its reduction: the world size, dp · cp, the
+    /// ranks whose gradients are summed (docs/design.md §4.1). It holds under both loss
+    /// conventions the engines serve: each rank's loss the mean over its own tokens
+    /// (`shard_model`), and LlamaFactory's, where every cp rank backpropagates its sequence's
+    /// whole loss scaled by dp / global tokens (docs/seed.md).
     pub gradient_divide_factor: f64,
     /// The seed's factor (ep × efsdp, applied only when efsdp > 1), for comparison.
     pub seed_gradient_divide_factor: Option<f64>,
@@ -550,16 +553,16 @@ pub fn expert_owners(plan: &Plan, topology: &Topology) -> Vec<(u64, u64)> {
     }
 }
 
-/// The topology a training config asks for on `world_size` ranks.
-pub fn topology_spec(config: &crate::config::TrainConfig, world_size: u64) -> crate::topology::TopologySpec {
-    let dist = config.dist.clone().unwrap_or_default();
-    crate::topology::TopologySpec {
+/// The topology a training config asks for on `world_size` ranks: its sizes, with `None` for
+/// those it leaves to their formulas.
+pub fn topology_spec(config: &TrainConfig, world_size: u64) -> TopologySpec {
+    TopologySpec {
         world_size,
         dp_size: config.dp_size,
         cp_size: config.cp_size,
         mp_replicate_size: config.mp_replicate_size,
         mp_shard_size: config.mp_shard_size,
-        ep_size: dist.ep_size,
-        efsdp_size: dist.efsdp_size,
+        ep_size: config.dist.ep_size,
+        efsdp_size: config.dist.efsdp_size,
     }
 }

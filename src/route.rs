@@ -1,4 +1,4 @@
-//! Token routing for expert parallelism (DESIGN §4.4, seed semantics §5.1).
+//! Token routing for expert parallelism (docs/design.md §4.4).
 //!
 //! Routing metadata, for one rank of an EP group of size P with E global experts (L = E / P
 //! local experts per rank) and T tokens routed to K experts each:

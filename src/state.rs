@@ -1,6 +1,6 @@
 //! The parallel state: a topology with its meshes, as a value (`ParallelState`, for handles and
 //! embedders that run several) and as the process-global singleton the seed keeps
-//! (`_FSDPTURBO_PARALLEL_STATE`, reference §3.3).
+//! (`_FSDPTURBO_PARALLEL_STATE`).
 //!
 //! The global is set once; initialising again with the same topology is a no-op that returns
 //! the same `Arc`, with a different one an error (the seed's text). `reset_global_state` starts
@@ -14,8 +14,8 @@ use once_cell::sync::Lazy;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::ops::{ImplId, OpRegistry, Registered, Resolved};
 use crate::pattern::PatternSet;
+use crate::registry::{ImplId, OpRegistry, Registered, Resolved};
 use crate::spec::{ModelSpec, SpecRegistry};
 use crate::topology::{Mesh, Topology};
 

@@ -25,7 +25,7 @@ fn loaders_find_the_libraries_and_report_what_is_missing() {
     let acl = Acl::load().unwrap();
     assert!(fsdpturbo::backend::acl::is_test_double(&acl.lib));
     Hccl::load().unwrap();
-    assert_eq!(Aclnn::load().unwrap().grouped_matmul.version(), 5, "V5 is preferred when present");
+    assert_eq!(Aclnn::load().unwrap().grouped_mm.version(), 5, "V5 is preferred when present");
 
     let d = ascend_double::dir();
     unsafe { std::env::set_var("FSDPTURBO_HCCL_PATH", d.join("absent/libhccl.so")) };
@@ -209,7 +209,7 @@ fn counts_view<'a>(dims: &'a [i64], strides: &'a [i64], counts: &'a mut [i64]) -
 }
 
 #[test]
-fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
+fn grouped_mm_calls_the_two_phases_in_order_and_computes() {
     let _g = setup();
     let api = Aclnn::get().unwrap();
     let log = ascend_double::fresh_log("gmm");
@@ -227,7 +227,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     let (cd, cs) = ([g as i64], [1i64]);
     let group = counts_view(&cd, &cs, &mut counts);
     unsafe {
-        api.grouped_matmul(
+        api.grouped_mm(
             &f32_view(&xd, &xs, 3, &mut x),
             &f32_view(&wd, &ws, 0, &mut w),
             &group,
@@ -258,7 +258,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     let (od, os) = ([g as i64, k as i64, n as i64], [(k * n) as i64, n as i64, 1]);
     let group = counts_view(&cd, &cs, &mut counts);
     unsafe {
-        api.grouped_matmul(
+        api.grouped_mm(
             &f32_view(&td, &ts, 3, &mut x),
             &f32_view(&dd, &ds, 0, &mut dy),
             &group,
@@ -283,7 +283,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     // A workspace that cannot be allocated: the executor is destroyed, nothing launches.
     let group = counts_view(&cd, &cs, &mut counts);
     let err = unsafe {
-        api.grouped_matmul(
+        api.grouped_mm(
             &f32_view(&xd, &xs, 3, &mut x),
             &f32_view(&wd, &ws, 0, &mut w),
             &group,
@@ -299,7 +299,7 @@ fn grouped_matmul_calls_the_two_phases_in_order_and_computes() {
     // A view past its storage is refused by aclCreateTensor; what was made is destroyed.
     let group = counts_view(&cd, &cs, &mut counts);
     let err = unsafe {
-        api.grouped_matmul(
+        api.grouped_mm(
             &f32_view(&xd, &xs, 3, &mut x),
             &f32_view(&wd, &ws, 1, &mut w),
             &group,

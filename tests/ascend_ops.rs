@@ -207,7 +207,7 @@ fn mc2_operators_move_rows_to_their_experts_and_back() {
                     let (md, ms) = ([received as i64, N_MID as i64], [N_MID as i64, 1]);
                     let (pd, ps) = ([received as i64, K_IN as i64], [K_IN as i64, 1]);
                     unsafe {
-                        api.alltoallv_grouped_matmul(
+                        api.alltoallv_grouped_mm(
                             &bf16_view(&xd, &xs, &mut x),
                             &bf16_view(&w1d, &w1s, &mut w1),
                             &forward,
@@ -225,7 +225,7 @@ fn mc2_operators_move_rows_to_their_experts_and_back() {
                     );
                     let (od, os) = ([rows as i64, N_OUT as i64], [N_OUT as i64, 1]);
                     unsafe {
-                        api.grouped_matmul_alltoallv(
+                        api.grouped_mm_alltoallv(
                             &bf16_view(&md, &ms, &mut mid),
                             &bf16_view(&w2d, &w2s, &mut w2),
                             &back,
@@ -308,22 +308,14 @@ fn mc2_and_permute_report_what_is_missing_or_wrong() {
     let d = ascend_double::dir();
     ascend_double::use_doubles(&d.join("v4only/libopapi.so"));
     let api = Aclnn::load().unwrap();
-    assert!(api.alltoallv_grouped_matmul.is_none() && api.token_permute.is_none());
+    assert!(api.alltoallv_grouped_mm.is_none() && api.token_permute.is_none());
     let (dims, strides, mut data) = ([1i64, 1], [1i64, 1], vec![0u16; 1]);
     let name = CString::new("g").unwrap();
     let exchange =
         Exchange { group: &name, ep_world_size: 1, send_counts: &[1], recv_counts: &[1], trans_weight: true };
     let v = bf16_view(&dims, &strides, &mut data);
     let err = unsafe {
-        api.alltoallv_grouped_matmul(
-            &v,
-            &v,
-            &exchange,
-            &v,
-            None,
-            &mut |_| unreachable!(),
-            std::ptr::null_mut(),
-        )
+        api.alltoallv_grouped_mm(&v, &v, &exchange, &v, None, &mut |_| unreachable!(), std::ptr::null_mut())
     }
     .unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable);
@@ -341,7 +333,7 @@ fn mc2_and_permute_report_what_is_missing_or_wrong() {
     let empty = CString::new("").unwrap();
     let exchange = Exchange { group: &empty, ..exchange };
     let err = unsafe {
-        api.grouped_matmul_alltoallv(&v, &v, &exchange, &v, &mut |_| unreachable!(), std::ptr::null_mut())
+        api.grouped_mm_alltoallv(&v, &v, &exchange, &v, &mut |_| unreachable!(), std::ptr::null_mut())
     }
     .unwrap_err();
     assert_eq!(
@@ -351,7 +343,7 @@ fn mc2_and_permute_report_what_is_missing_or_wrong() {
     let unknown = CString::new("no-such-group").unwrap();
     let exchange = Exchange { group: &unknown, ..exchange };
     let st = stream();
-    let err = unsafe { api.grouped_matmul_alltoallv(&v, &v, &exchange, &v, &mut |_| unreachable!(), st.0) }
+    let err = unsafe { api.grouped_mm_alltoallv(&v, &v, &exchange, &v, &mut |_| unreachable!(), st.0) }
         .unwrap_err();
     assert_eq!(
         err.message,

@@ -38,17 +38,17 @@ fn ascend_home_path_lib64_and_the_op_plugin_search_order() {
         paths,
         [lib64.join("libopapi_vendor.so"), lib64.join("libopapi.so"), lib64.join("libnnopbase.so")]
     );
-    assert_eq!(aclnn.grouped_matmul.version(), 5, "V5 is taken from the first library that has it");
+    assert_eq!(aclnn.grouped_mm.version(), 5, "V5 is taken from the first library that has it");
     unsafe { std::env::remove_var("ASCEND_HOME_PATH") };
 }
 
 #[test]
-fn without_v5_grouped_matmul_falls_back_to_v4() {
+fn without_v5_grouped_mm_falls_back_to_v4() {
     let _g = ascend_double::lock();
     ascend_double::use_doubles(&ascend_double::dir().join("v4only/libopapi.so"));
     let log = ascend_double::fresh_log("v4");
     let api = Aclnn::get().unwrap();
-    assert_eq!(api.grouped_matmul.version(), 4);
+    assert_eq!(api.grouped_mm.version(), 4);
     let acl = Acl::get().unwrap();
     let mut stream = std::ptr::null_mut();
     assert_eq!(unsafe { (acl.create_stream)(&mut stream) }, 0);
@@ -66,7 +66,7 @@ fn without_v5_grouped_matmul_falls_back_to_v4() {
     };
     let mut buffers = Vec::new();
     unsafe {
-        api.grouped_matmul(
+        api.grouped_mm(
             &view(&[2, 2], &[2, 1], x.as_mut_ptr(), 4),
             &view(&[2, 2, 2], &[4, 2, 1], w.as_mut_ptr(), 8),
             &View {

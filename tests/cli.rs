@@ -33,7 +33,7 @@ fn no_arguments_plans_the_embedded_example() {
     assert!(text.contains("ep rank 7   experts 112-127"), "{text}");
 }
 
-/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks (reference §3.4).
+/// The seed's validated CP2/EP4/EFSDP2 layout on 16 ranks.
 #[test]
 fn seed_layout_world16_cp2_ep4() {
     let out = plan(&[

@@ -40,7 +40,7 @@ fn assert_error(err: &ConfigError, path: &str, line: usize, message: &str) {
 }
 
 fn dist(body: &str) -> DistConfig {
-    ok(&format!("dist_config:\n{body}")).dist.expect("dist_config present")
+    ok(&format!("dist_config:\n{body}")).dist
 }
 
 fn kernel(body: &str) -> KernelConfig {
@@ -64,7 +64,7 @@ fn defaults_are_the_seeds() {
     assert_eq!(t.mp_shard_size, None);
     assert_eq!(t.dist_timeout, 18000);
     assert!(!t.bf16);
-    assert_eq!((t.dist, t.kernel), (None, None));
+    assert_eq!((t.dist, t.kernel), (DistConfig::default(), None));
 
     let d = DistConfig::default();
     assert_eq!(d.name, "fsdpturbo");
@@ -141,7 +141,8 @@ fn capacity_and_balancing_fields() {
     assert_eq!(d.router_z_loss_coef, 0.001);
     assert_eq!(d.expert_bias_update_rate, Some(1.0e-3));
     let d = dist("  name: fsdpturbo\n  expert_capacity: 64\n");
-    assert_eq!((d.expert_capacity, d.capacity_overflow), (Some(64), None));
+    assert_eq!((d.expert_capacity, d.capacity_overflow), (Some(64), Some(CapacityOverflow::Drop)));
+    assert_eq!(DistConfig::default().capacity_overflow, None);
     assert_eq!(DistConfig::default().aux_loss_scope, AuxLossScope::Global);
 }
 
@@ -184,8 +185,8 @@ fn capacity_and_balancing_errors_name_the_field_and_what_is_accepted() {
 fn dist_config_with_only_a_name_has_every_default() {
     assert_eq!(dist("  name: fsdpturbo\n"), DistConfig::default());
     assert_eq!(dist("  {name: fsdpturbo, dcp_path: null, efsdp_size: null}"), DistConfig::default());
-    assert_eq!(ok("dist_config:\n").dist, None);
-    assert_eq!(ok("dist_config: null\n").dist, None);
+    assert_eq!(ok("dist_config:\n").dist, DistConfig::default());
+    assert_eq!(ok("dist_config: null\n").dist, DistConfig::default());
 }
 
 #[test]
@@ -213,7 +214,7 @@ fn seed_parse_params_ep_size_4() {
 #[test]
 fn the_seed_design_minimal_example() {
     let t = ok("cp_size: 1\n\ndist_config:\n  name: fsdpturbo\n  ep_size: 16\n  ep_dispatcher: eager\n");
-    let d = t.dist.unwrap();
+    let d = t.dist;
     assert_eq!((t.cp_size, d.ep_size, d.ep_dispatcher), (1, 16, Dispatcher::Eager));
 }
 
@@ -223,7 +224,7 @@ fn example_config_file_parses() {
         parse_train_config_bytes(&std::fs::read(corpus_dir().join("ok_qwen3_moe_ep.yaml")).unwrap()).unwrap();
     assert_eq!(t.cp_size, 2);
     assert!(t.bf16);
-    let d = t.dist.unwrap();
+    let d = t.dist;
     assert_eq!((d.ep_size, d.ep_dispatcher, d.efsdp_size), (4, Dispatcher::Fused, None));
     let k = t.kernel.unwrap();
     assert_eq!(k.names, ["auto", "flash-linear-attention"]);
@@ -468,7 +469,7 @@ fn coercion_recurses_into_nested_mappings_but_not_lists() {
 fn json_in_a_string() {
     let t = ok("dist_config: '{\"name\": \"fsdpturbo\", \"ep_size\": \"4\", \"offload_params\": \"TRUE\", \
                 \"hook_modules\": [\"a\"]}'\nkernel_config: '{\"name\": \"auto\", \"chunk_size\": 16}'\n");
-    let d = t.dist.unwrap();
+    let d = t.dist;
     assert_eq!((d.ep_size, d.offload_params, d.hook_modules), (4, true, vec!["a".to_string()]));
     assert_eq!(t.kernel.unwrap().chunk_size, 16);
     // Errors inside the JSON point at the dist_config line.
@@ -781,9 +782,9 @@ fn topology_products_that_need_no_world_size() {
     // Consistent ones pass: 16 = 2 * 8 = 8 * 2; ep 4 * efsdp 2 divides dp 8.
     let t = ok("dp_size: 8\ncp_size: 2\nmp_replicate_size: 2\nmp_shard_size: 8\n\
                 dist_config: {name: fsdpturbo, ep_size: 4, efsdp_size: 2}\n");
-    assert_eq!(t.dist.unwrap().efsdp_size, Some(2));
+    assert_eq!(t.dist.efsdp_size, Some(2));
     // Without dp_size or mp_shard_size nothing is known about the world: any ep is fine.
-    assert_eq!(ok("dist_config: {name: fsdpturbo, ep_size: 7}\n").dist.unwrap().ep_size, 7);
+    assert_eq!(ok("dist_config: {name: fsdpturbo, ep_size: 7}\n").dist.ep_size, 7);
 }
 
 #[test]
@@ -837,9 +838,9 @@ fn every_error_is_collected_in_document_order() {
 fn anchors_aliases_and_merge_keys_are_followed() {
     let yaml =
         "base: &base\n  name: fsdpturbo\n  ep_size: 4\ndist_config:\n  <<: *base\n  ep_dispatcher: fused\n";
-    let d = ok(yaml).dist.unwrap();
+    let d = ok(yaml).dist;
     assert_eq!((d.ep_size, d.ep_dispatcher), (4, Dispatcher::Fused));
-    let d = ok("defaults: &d {name: fsdpturbo, ep_size: 2}\ndist_config: *d\n").dist.unwrap();
+    let d = ok("defaults: &d {name: fsdpturbo, ep_size: 2}\ndist_config: *d\n").dist;
     assert_eq!(d.ep_size, 2);
     // An error reached through an alias points at the key that uses it.
     let e = error("defaults: &d {name: fsdpturbo, ep_size: 0}\nmodel: m\ndist_config: *d\n");
@@ -1079,7 +1080,7 @@ mod c_abi {
         assert_eq!(fsdpturbo_config_dispatcher(cfg, &mut d), FSDPTURBO_OK);
         assert_eq!(d, FSDPTURBO_DISPATCHER_MC2);
         // SAFETY: `cfg` came from fsdpturbo_config_parse and is alive.
-        assert_eq!(unsafe { &*cfg }.config().dist.as_ref().unwrap().ep_size, 4);
+        assert_eq!(unsafe { &*cfg }.config().dist.ep_size, 4);
         fsdpturbo_config_free(cfg);
         fsdpturbo_config_free(ptr::null_mut());
     }
@@ -1229,7 +1230,11 @@ mod c_abi {
         let (_, cfg) =
             parse(b"kernel_config: {name: flash-linear-attention, include_kernels: chunk_gated_delta_rule}");
         assert_eq!(json(cfg)["kernel"]["include_kernels"], serde_json::json!(["chunk_gated_delta_rule"]));
-        assert_eq!(json(cfg)["dist"], serde_json::Value::Null);
+        // Without a dist_config, `dist` is what a dist_config with only its name gives.
+        let (_, named) = parse(b"dist_config: {name: fsdpturbo}");
+        assert_eq!(json(cfg)["dist"], json(named)["dist"]);
+        assert_eq!(json(cfg)["dist"], serde_json::to_value(DistConfig::default()).unwrap());
+        fsdpturbo_config_free(named);
         fsdpturbo_config_free(cfg);
     }
 }

@@ -7,11 +7,10 @@ use std::ffi::{CStr, c_void};
 
 use fsdpturbo::dtype::{f32_to_bf16, f32_to_f16};
 use fsdpturbo::ffi::dtype::*;
+use fsdpturbo::ffi::gemm::{fsdpturbo_grouped_mm, fsdpturbo_grouped_mm_grad_weight};
 use fsdpturbo::ffi::host_isa::fsdpturbo_host_isa;
 use fsdpturbo::ffi::norm::{fsdpturbo_grad_t, fsdpturbo_local_power_sum, fsdpturbo_scale_in_place};
-use fsdpturbo::ffi::route::{
-    fsdpturbo_grouped_matmul, fsdpturbo_grouped_matmul_grad_weight, fsdpturbo_unpermute,
-};
+use fsdpturbo::ffi::route::fsdpturbo_unpermute;
 use fsdpturbo::ffi::status::Status;
 use fsdpturbo::host::Isa;
 
@@ -21,8 +20,8 @@ use common::{Rng, last_error};
 /// What the kernels below give on every path of every machine (x86-64 AVX-512, AVX2 and the
 /// portable loops, and aarch64 under qemu, when this was written).
 const EVERY_MACHINE: [(&str, &str); 5] = [
-    ("grouped_matmul", "FSDPTURBO_OK 0df6eb8f2cbcf128"),
-    ("grouped_matmul_grad_weight", "FSDPTURBO_OK ec558b3bfbe98c22"),
+    ("grouped_mm", "FSDPTURBO_OK 0df6eb8f2cbcf128"),
+    ("grouped_mm_grad_weight", "FSDPTURBO_OK ec558b3bfbe98c22"),
     ("unpermute", "FSDPTURBO_OK c134a38ffdb118e7"),
     ("local_power_sum", "FSDPTURBO_OK 1af8eb06f6681995"),
     ("scale_in_place", "FSDPTURBO_OK 452cad9cb0b1169e"),
@@ -82,7 +81,7 @@ fn kernel_reports() -> Vec<(&'static str, String)> {
     let (x, w) = (values(n * i), values(counts.len() * o * i));
     let mut y = vec![0f32; n * o];
     let bytes = |v: &[f32]| 4 * v.len();
-    let status = fsdpturbo_grouped_matmul(
+    let status = fsdpturbo_grouped_mm(
         FSDPTURBO_DTYPE_F32,
         x.as_ptr().cast(),
         bytes(&x),
@@ -95,13 +94,13 @@ fn kernel_reports() -> Vec<(&'static str, String)> {
         y.as_mut_ptr().cast(),
         bytes(&y),
     );
-    reports.push(("grouped_matmul", outcome(status, || digest(y.iter().map(|v| v.to_le_bytes())))));
+    reports.push(("grouped_mm", outcome(status, || digest(y.iter().map(|v| v.to_le_bytes())))));
 
     // bf16, accumulated in f32 over each group's rows (70: a depth below the K block).
     let halve = |v: &[f32]| v.iter().map(|&f| f32_to_bf16(f)).collect::<Vec<u16>>();
     let (gy, xb) = (halve(&values(n * o)), halve(&x));
     let mut gw = vec![0u16; counts.len() * o * i];
-    let status = fsdpturbo_grouped_matmul_grad_weight(
+    let status = fsdpturbo_grouped_mm_grad_weight(
         FSDPTURBO_DTYPE_BF16,
         gy.as_ptr().cast(),
         2 * gy.len(),
@@ -114,8 +113,7 @@ fn kernel_reports() -> Vec<(&'static str, String)> {
         gw.as_mut_ptr().cast(),
         2 * gw.len(),
     );
-    reports
-        .push(("grouped_matmul_grad_weight", outcome(status, || digest(gw.iter().map(|v| v.to_le_bytes())))));
+    reports.push(("grouped_mm_grad_weight", outcome(status, || digest(gw.iter().map(|v| v.to_le_bytes())))));
 
     let (tokens, top_k, hidden) = (40, 2, 37);
     let (permuted, probs) = (values(tokens * top_k * hidden), values(tokens * top_k));

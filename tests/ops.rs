@@ -11,7 +11,7 @@ use std::thread;
 use fsdpturbo::error::ErrorKind;
 use fsdpturbo::ffi::ops::*;
 use fsdpturbo::ffi::status::*;
-use fsdpturbo::ops::{OpRegistry, Registered, Resolution, Resolved, check_device_type, check_op_name};
+use fsdpturbo::registry::{OpRegistry, Registered, Resolution, Resolved, check_device_type, check_op_name};
 
 mod common;
 use common::last_error;
@@ -27,20 +27,20 @@ fn fallback(impl_id: u64, warn: bool) -> Resolved {
 #[test]
 fn exact_match_then_cpu_fallback_warned_once_per_pair() {
     let mut r = OpRegistry::new();
-    let cpu = r.register("grouped_matmul", "cpu").unwrap();
-    let npu = r.register("grouped_matmul", "npu").unwrap();
+    let cpu = r.register("grouped_mm", "cpu").unwrap();
+    let npu = r.register("grouped_mm", "npu").unwrap();
     assert_eq!(cpu, Registered { impl_id: 1, replaced: None });
     assert_eq!(npu, Registered { impl_id: 2, replaced: None });
-    assert_eq!(r.resolve("grouped_matmul", "npu").unwrap(), exact(2));
-    assert_eq!(r.resolve("grouped_matmul", "cpu").unwrap(), exact(1));
+    assert_eq!(r.resolve("grouped_mm", "npu").unwrap(), exact(2));
+    assert_eq!(r.resolve("grouped_mm", "cpu").unwrap(), exact(1));
     // cuda has none: the cpu one, with the warning asked for the first time only, per device.
-    assert_eq!(r.resolve("grouped_matmul", "cuda").unwrap(), fallback(1, true));
-    assert_eq!(r.resolve("grouped_matmul", "cuda").unwrap(), fallback(1, false));
-    assert_eq!(r.resolve("grouped_matmul", "xpu").unwrap(), fallback(1, true));
-    assert_eq!(r.resolve("grouped_matmul", "cuda").unwrap(), fallback(1, false));
+    assert_eq!(r.resolve("grouped_mm", "cuda").unwrap(), fallback(1, true));
+    assert_eq!(r.resolve("grouped_mm", "cuda").unwrap(), fallback(1, false));
+    assert_eq!(r.resolve("grouped_mm", "xpu").unwrap(), fallback(1, true));
+    assert_eq!(r.resolve("grouped_mm", "cuda").unwrap(), fallback(1, false));
     assert_eq!(
-        fsdpturbo::ops::fallback_warning("grouped_matmul", "cuda"),
-        "Operator 'grouped_matmul' not available for device 'cuda', falling back to CPU implementation"
+        fsdpturbo::registry::fallback_warning("grouped_mm", "cuda"),
+        "Operator 'grouped_mm' not available for device 'cuda', falling back to CPU implementation"
     );
 }
 
@@ -63,18 +63,18 @@ fn unknown_operator_and_missing_cpu_fallback_are_the_seeds_key_errors() {
     assert_eq!(e.kind, ErrorKind::NotFound);
     assert_eq!(e.message, "Operator 'permute' is not registered; registered operators: []");
 
-    r.register("all2all_grouped_matmul", "npu").unwrap();
+    r.register("all2all_grouped_mm", "npu").unwrap();
     r.register("permute", "cuda").unwrap();
     let e = r.resolve("unpermute", "npu").unwrap_err();
     assert_eq!(
         e.message,
-        "Operator 'unpermute' is not registered; registered operators: ['all2all_grouped_matmul', 'permute']"
+        "Operator 'unpermute' is not registered; registered operators: ['all2all_grouped_mm', 'permute']"
     );
-    let e = r.resolve("all2all_grouped_matmul", "cuda").unwrap_err();
+    let e = r.resolve("all2all_grouped_mm", "cuda").unwrap_err();
     assert_eq!(e.kind, ErrorKind::NotFound);
     assert_eq!(
         e.message,
-        "Operator 'all2all_grouped_matmul' not available for device 'cuda' and no CPU fallback exists; \
+        "Operator 'all2all_grouped_mm' not available for device 'cuda' and no CPU fallback exists; \
          it is registered for ['npu']"
     );
     // The seed's rule for device "cpu" itself: no cpu entry is the same error.
@@ -86,17 +86,13 @@ fn unknown_operator_and_missing_cpu_fallback_are_the_seeds_key_errors() {
 
 #[test]
 fn names_and_device_types_are_validated() {
-    for ok in ["grouped_matmul", "_private", "fla.chunk_gated_delta_rule", "op2"] {
+    for ok in ["grouped_mm", "_private", "fla.chunk_gated_delta_rule", "op2"] {
         check_op_name(ok).unwrap();
     }
     for bad in ["", "2op", "grouped matmul", "a-b", "op:cuda", "é"] {
         let e = check_op_name(bad).unwrap_err();
         assert_eq!(e.kind, ErrorKind::InvalidArgument, "{bad:?}");
-        assert!(
-            e.message.contains("is not valid") && e.message.contains("'grouped_matmul'"),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains("is not valid") && e.message.contains("'grouped_mm'"), "{}", e.message);
     }
     for ok in ["cpu", "cuda", "npu", "xpu", "privateuseone", "hpu", "mtia"] {
         check_device_type(ok).unwrap();

@@ -1,5 +1,5 @@
 //! The module-name pattern language: the worked examples and error texts of the seed
-//! (reference `seed-semantics.md` §2), Python `int()` edge cases, the quirks, the C ABI, and a
+//! (where we differ: docs/seed.md), Python `int()` edge cases, the quirks, the C ABI, and a
 //! differential test against a transcription of the seed's matcher run by `python3`.
 
 use std::ffi::CString;
@@ -405,7 +405,7 @@ fn c_abi_rejects_invalid_utf8() {
 // ---- Differential test against the seed's algorithm in Python ----
 
 /// A line-for-line transcription of the seed's `compile_extended_pattern` and
-/// `module_name_match` (reference §2.1), reading `hex(pattern):hex(name)` lines and writing
+/// `module_name_match` (the seed's), reading `hex(pattern):hex(name)` lines and writing
 /// `T`, `F`, or `E hex(message)` lines.
 const PYTHON_REFERENCE: &str = r#"
 import re, sys

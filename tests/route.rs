@@ -11,6 +11,7 @@ use fsdpturbo::error::ErrorKind;
 use fsdpturbo::ffi::dtype::{
     FSDPTURBO_DTYPE_BF16, FSDPTURBO_DTYPE_F16, FSDPTURBO_DTYPE_F32, FSDPTURBO_DTYPE_F64,
 };
+use fsdpturbo::ffi::gemm::*;
 use fsdpturbo::ffi::route::*;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::host::gemm::*;
@@ -76,7 +77,7 @@ fn received(g: &[u64], p: usize, e: usize, r: usize) -> Received {
 // ---------------------------------------------------------------------------------------------
 // Routing: the seed's worked example and the edge cases.
 
-/// seed-semantics §5.1: P=2, E=4, L=2, K=2.
+/// The seed's worked example: P=2, E=4, L=2, K=2.
 #[test]
 fn the_seeds_worked_example_number_for_number() {
     let rank0 = route(&[1, 2, 0, 3, 2, 1], 3, 2, 4, 2).unwrap();
@@ -133,8 +134,7 @@ fn zero_tokens_route_permute_and_multiply_nothing() {
     let mut out: [f32; 0] = [];
     permute_tokens::<f32>(&[], 3, &[], 8, &mut out).unwrap();
     unpermute(HostBuf::F32(&[]), 3, &[], 8, None, HostBufMut::F32(&mut [])).unwrap();
-    grouped_matmul(HostBuf::F32(&[]), &[0, 0], HostBuf::F32(&[0.0; 12]), 3, 2, HostBufMut::F32(&mut []))
-        .unwrap();
+    grouped_mm(HostBuf::F32(&[]), &[0, 0], HostBuf::F32(&[0.0; 12]), 3, 2, HostBufMut::F32(&mut [])).unwrap();
 }
 
 #[test]
@@ -682,15 +682,15 @@ fn gemm_case(rng: &mut Rng, ty: Ty, counts: &[u64], i: usize, o: usize, options:
     let what = format!("counts {counts:?}, in {i}, out {o}");
 
     let mut y = Buf::garbage(ty, n * o);
-    grouped_matmul_with(x.host(), counts, w.host(), i, o, y.host_mut(), options).unwrap();
+    grouped_mm_with(x.host(), counts, w.host(), i, o, y.host_mut(), options).unwrap();
     check(ty, &y, &naive_forward(&x.values(), counts, &w.values(), i, o), &format!("forward, {what}"));
 
     let mut gx = Buf::garbage(ty, n * i);
-    grouped_matmul_grad_input_with(gy.host(), counts, w.host(), i, o, gx.host_mut(), options).unwrap();
+    grouped_mm_grad_input_with(gy.host(), counts, w.host(), i, o, gx.host_mut(), options).unwrap();
     check(ty, &gx, &naive_grad_input(&gy.values(), counts, &w.values(), i, o), &format!("grad_x, {what}"));
 
     let mut gw = Buf::garbage(ty, g * o * i);
-    grouped_matmul_grad_weight_with(gy.host(), x.host(), counts, i, o, gw.host_mut(), options).unwrap();
+    grouped_mm_grad_weight_with(gy.host(), x.host(), counts, i, o, gw.host_mut(), options).unwrap();
     let want = naive_grad_weight(&gy.values(), &x.values(), counts, i, o);
     check(ty, &gw, &want, &format!("grad_w, {what}"));
     // Empty groups get exact zeros.
@@ -706,7 +706,7 @@ fn gemm_case(rng: &mut Rng, ty: Ty, counts: &[u64], i: usize, o: usize, options:
 }
 
 #[test]
-fn grouped_matmul_and_its_gradients_match_naive_loops_for_every_type() {
+fn grouped_mm_and_its_gradients_match_naive_loops_for_every_type() {
     let mut rng = Rng(31);
     // Edge tiles (sizes not multiples of 6 or 16/8), empty groups first, middle and last,
     // one-row groups, depths above the K block (256), and a single group.
@@ -728,8 +728,8 @@ fn grouped_matmul_and_its_gradients_match_naive_loops_for_every_type() {
     // The default entry points are the defaults of the `_with` ones.
     let (x, w) = (Buf::random(&mut rng, Ty::F32, 10 * 7), Buf::random(&mut rng, Ty::F32, 2 * 5 * 7));
     let (mut a, mut b) = (Buf::garbage(Ty::F32, 50), Buf::garbage(Ty::F32, 50));
-    grouped_matmul(x.host(), &[4, 6], w.host(), 7, 5, a.host_mut()).unwrap();
-    grouped_matmul_with(x.host(), &[4, 6], w.host(), 7, 5, b.host_mut(), KernelOptions::default()).unwrap();
+    grouped_mm(x.host(), &[4, 6], w.host(), 7, 5, a.host_mut()).unwrap();
+    grouped_mm_with(x.host(), &[4, 6], w.host(), 7, 5, b.host_mut(), KernelOptions::default()).unwrap();
     assert!(a.bits() == b.bits());
 }
 
@@ -748,7 +748,7 @@ fn the_portable_gemm_kernels_match_naive_loops_too() {
 }
 
 #[test]
-fn grouped_matmul_blocks_large_problems_correctly() {
+fn grouped_mm_blocks_large_problems_correctly() {
     // Rows above the per-task limit (1020), columns above the per-task width, depth above the
     // K block and above the B packing chunk: every blocking path, on several threads.
     let mut rng = Rng(37);
@@ -762,7 +762,7 @@ fn grouped_matmul_blocks_large_problems_correctly() {
 }
 
 #[test]
-fn grouped_matmul_results_do_not_depend_on_the_thread_count_or_the_instruction_set() {
+fn grouped_mm_results_do_not_depend_on_the_thread_count_or_the_instruction_set() {
     let mut rng = Rng(41);
     let counts = [700u64, 0, 130, 1100, 5];
     let (i, o) = (260, 300);
@@ -776,11 +776,9 @@ fn grouped_matmul_results_do_not_depend_on_the_thread_count_or_the_instruction_s
             let mut y = Buf::garbage(ty, n * o);
             let mut gx = Buf::garbage(ty, n * i);
             let mut gw = Buf::garbage(ty, counts.len() * o * i);
-            grouped_matmul_with(x.host(), &counts, w.host(), i, o, y.host_mut(), options).unwrap();
-            grouped_matmul_grad_input_with(gy.host(), &counts, w.host(), i, o, gx.host_mut(), options)
-                .unwrap();
-            grouped_matmul_grad_weight_with(gy.host(), x.host(), &counts, i, o, gw.host_mut(), options)
-                .unwrap();
+            grouped_mm_with(x.host(), &counts, w.host(), i, o, y.host_mut(), options).unwrap();
+            grouped_mm_grad_input_with(gy.host(), &counts, w.host(), i, o, gx.host_mut(), options).unwrap();
+            grouped_mm_grad_weight_with(gy.host(), x.host(), &counts, i, o, gw.host_mut(), options).unwrap();
             (y.bits(), gx.bits(), gw.bits())
         };
         let one = run(1, false);
@@ -792,39 +790,38 @@ fn grouped_matmul_results_do_not_depend_on_the_thread_count_or_the_instruction_s
         assert!(portable == one, "{ty:?}: the portable kernels differ from the process's instruction set");
         // The default (all cores above the threshold) agrees too.
         let mut y = Buf::garbage(ty, n * o);
-        grouped_matmul(x.host(), &counts, w.host(), i, o, y.host_mut()).unwrap();
+        grouped_mm(x.host(), &counts, w.host(), i, o, y.host_mut()).unwrap();
         assert!(y.bits() == one.0);
     }
 }
 
 #[test]
-fn grouped_matmul_with_zero_features_writes_zeros() {
+fn grouped_mm_with_zero_features_writes_zeros() {
     let counts = [2u64, 0, 1];
     // in_features 0: y is all zeros; grad_w is empty; grad_x is empty.
     let mut y = Buf::garbage(Ty::F32, 3 * 4);
-    grouped_matmul(HostBuf::F32(&[]), &counts, HostBuf::F32(&[]), 0, 4, y.host_mut()).unwrap();
+    grouped_mm(HostBuf::F32(&[]), &counts, HostBuf::F32(&[]), 0, 4, y.host_mut()).unwrap();
     assert_eq!(y.values(), vec![0.0; 12]);
     // out_features 0: grad_x is all zeros.
     let mut gx = Buf::garbage(Ty::Bf16, 3 * 5);
-    grouped_matmul_grad_input(HostBuf::Bf16(&[]), &counts, HostBuf::Bf16(&[]), 5, 0, gx.host_mut()).unwrap();
+    grouped_mm_grad_input(HostBuf::Bf16(&[]), &counts, HostBuf::Bf16(&[]), 5, 0, gx.host_mut()).unwrap();
     assert_eq!(gx.values(), vec![0.0; 15]);
     // No rows at all: grad_w is all zeros.
     let mut gw = Buf::garbage(Ty::F64, 2 * 3 * 4);
-    grouped_matmul_grad_weight(HostBuf::F64(&[]), HostBuf::F64(&[]), &[0, 0], 4, 3, gw.host_mut()).unwrap();
+    grouped_mm_grad_weight(HostBuf::F64(&[]), HostBuf::F64(&[]), &[0, 0], 4, 3, gw.host_mut()).unwrap();
     assert_eq!(gw.values(), vec![0.0; 24]);
 }
 
 #[test]
-fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
+fn grouped_mm_rejects_bad_shapes_and_mixed_types() {
     let x = [0f32; 6];
     let w = [0f32; 12];
     let mut y = [0f32; 9];
-    let ok = grouped_matmul(HostBuf::F32(&x), &[1, 2], HostBuf::F32(&w), 2, 3, HostBufMut::F32(&mut y));
+    let ok = grouped_mm(HostBuf::F32(&x), &[1, 2], HostBuf::F32(&w), 2, 3, HostBufMut::F32(&mut y));
     assert!(ok.is_ok());
-    let m =
-        err_text(grouped_matmul(HostBuf::F32(&x), &[1, 1], HostBuf::F32(&w), 2, 3, HostBufMut::F32(&mut y)));
+    let m = err_text(grouped_mm(HostBuf::F32(&x), &[1, 1], HostBuf::F32(&w), 2, 3, HostBufMut::F32(&mut y)));
     assert!(m.contains("`x` has 6 elements but must have 4 ([2 rows (Σ group_rows), in_features 2])"), "{m}");
-    let m = err_text(grouped_matmul(
+    let m = err_text(grouped_mm(
         HostBuf::F32(&x),
         &[1, 2],
         HostBuf::F32(&w[..10]),
@@ -836,26 +833,14 @@ fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
         m.contains("`weight` has 10 elements but must have 12 ([groups 2, out_features 3, in_features 2])"),
         "{m}"
     );
-    let m = err_text(grouped_matmul(
-        HostBuf::F32(&x),
-        &[1, 2],
-        HostBuf::F32(&w),
-        2,
-        3,
-        HostBufMut::F32(&mut y[..5]),
-    ));
+    let m =
+        err_text(grouped_mm(HostBuf::F32(&x), &[1, 2], HostBuf::F32(&w), 2, 3, HostBufMut::F32(&mut y[..5])));
     assert!(m.contains("`y` has 5 elements"), "{m}");
     let wb = [0u16; 12];
-    let m = err_text(grouped_matmul(
-        HostBuf::F32(&x),
-        &[1, 2],
-        HostBuf::Bf16(&wb),
-        2,
-        3,
-        HostBufMut::F32(&mut y),
-    ));
+    let m =
+        err_text(grouped_mm(HostBuf::F32(&x), &[1, 2], HostBuf::Bf16(&wb), 2, 3, HostBufMut::F32(&mut y)));
     assert!(m.contains("`x` is f32 but `weight` is bf16"), "{m}");
-    let m = err_text(grouped_matmul(
+    let m = err_text(grouped_mm(
         HostBuf::F32(&x),
         &[u64::MAX, 2],
         HostBuf::F32(&w),
@@ -864,7 +849,7 @@ fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
         HostBufMut::F32(&mut y),
     ));
     assert!(m.contains("overflow"), "{m}");
-    let m = err_text(grouped_matmul_grad_input(
+    let m = err_text(grouped_mm_grad_input(
         HostBuf::F32(&y),
         &[1, 2],
         HostBuf::F32(&w),
@@ -873,7 +858,7 @@ fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
         HostBufMut::F32(&mut [0f32; 5]),
     ));
     assert!(m.contains("`grad_x` has 5 elements but must have 6"), "{m}");
-    let m = err_text(grouped_matmul_grad_weight(
+    let m = err_text(grouped_mm_grad_weight(
         HostBuf::F32(&y),
         HostBuf::F32(&x),
         &[1, 2],
@@ -883,14 +868,8 @@ fn grouped_matmul_rejects_bad_shapes_and_mixed_types() {
     ));
     assert!(m.contains("`grad_weight` has 11 elements but must have 12"), "{m}");
     let mut y64 = [0f64; 9];
-    let m = err_text(grouped_matmul(
-        HostBuf::F32(&x),
-        &[1, 2],
-        HostBuf::F32(&w),
-        2,
-        3,
-        HostBufMut::F64(&mut y64),
-    ));
+    let m =
+        err_text(grouped_mm(HostBuf::F32(&x), &[1, 2], HostBuf::F32(&w), 2, 3, HostBufMut::F64(&mut y64)));
     assert!(m.contains("`x` is f32 but `y` is f64"), "{m}");
 }
 
@@ -1165,7 +1144,7 @@ fn c_abi_permute_and_unpermute() {
 }
 
 #[test]
-fn c_abi_grouped_matmul_and_gradients_match_the_core() {
+fn c_abi_grouped_mm_and_gradients_match_the_core() {
     let mut rng = Rng(53);
     let counts = [3u64, 0, 4];
     let (i, o, n) = (5usize, 7usize, 7usize);
@@ -1193,7 +1172,7 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
             }
         };
         let (mut y, mut y_core) = (Buf::garbage(ty, n * o), Buf::garbage(ty, n * o));
-        let st = fsdpturbo_grouped_matmul(
+        let st = fsdpturbo_grouped_mm(
             code,
             ptr(&x),
             n * i * size,
@@ -1207,11 +1186,11 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
             n * o * size,
         );
         assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
-        grouped_matmul(x.host(), &counts, w.host(), i, o, y_core.host_mut()).unwrap();
+        grouped_mm(x.host(), &counts, w.host(), i, o, y_core.host_mut()).unwrap();
         assert!(y.bits() == y_core.bits(), "{ty:?}");
 
         let (mut gx, mut gx_core) = (Buf::garbage(ty, n * i), Buf::garbage(ty, n * i));
-        let st = fsdpturbo_grouped_matmul_grad_input(
+        let st = fsdpturbo_grouped_mm_grad_input(
             code,
             ptr(&gy),
             n * o * size,
@@ -1225,11 +1204,11 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
             n * i * size,
         );
         assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
-        grouped_matmul_grad_input(gy.host(), &counts, w.host(), i, o, gx_core.host_mut()).unwrap();
+        grouped_mm_grad_input(gy.host(), &counts, w.host(), i, o, gx_core.host_mut()).unwrap();
         assert!(gx.bits() == gx_core.bits(), "{ty:?}");
 
         let (mut gw, mut gw_core) = (Buf::garbage(ty, 3 * o * i), Buf::garbage(ty, 3 * o * i));
-        let st = fsdpturbo_grouped_matmul_grad_weight(
+        let st = fsdpturbo_grouped_mm_grad_weight(
             code,
             ptr(&gy),
             n * o * size,
@@ -1243,12 +1222,12 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
             3 * o * i * size,
         );
         assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
-        grouped_matmul_grad_weight(gy.host(), x.host(), &counts, i, o, gw_core.host_mut()).unwrap();
+        grouped_mm_grad_weight(gy.host(), x.host(), &counts, i, o, gw_core.host_mut()).unwrap();
         assert!(gw.bits() == gw_core.bits(), "{ty:?}");
         check(ty, &gw, &naive_grad_weight(&gy.values(), &x.values(), &counts, i, o), "C grad_w");
 
         // Byte lengths that are not whole elements, or do not match the shapes.
-        let st = fsdpturbo_grouped_matmul(
+        let st = fsdpturbo_grouped_mm(
             code,
             ptr(&x),
             n * i * size - 1,
@@ -1269,7 +1248,7 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
                 last_error()
             );
         }
-        let st = fsdpturbo_grouped_matmul(
+        let st = fsdpturbo_grouped_mm(
             code,
             ptr(&x),
             n * i * size,
@@ -1289,7 +1268,7 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
     let x = [0f32; 35];
     let w = [0f32; 105];
     let mut y = [0f32; 49];
-    let st = fsdpturbo_grouped_matmul(
+    let st = fsdpturbo_grouped_mm(
         9,
         x.as_ptr().cast(),
         140,
@@ -1305,7 +1284,7 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
     assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().contains("`dtype` is 9"));
     let mut both = [0f32; 105];
-    let st = fsdpturbo_grouped_matmul(
+    let st = fsdpturbo_grouped_mm(
         FSDPTURBO_DTYPE_F32,
         x.as_ptr().cast(),
         140,
@@ -1320,7 +1299,7 @@ fn c_abi_grouped_matmul_and_gradients_match_the_core() {
     );
     assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().contains("`y` and `weight` overlap"), "{}", last_error());
-    let st = fsdpturbo_grouped_matmul(
+    let st = fsdpturbo_grouped_mm(
         FSDPTURBO_DTYPE_F32,
         x.as_ptr().cast(),
         140,

@@ -7,6 +7,7 @@ use std::ffi::CString;
 use std::ptr;
 
 use fsdpturbo::error::ErrorKind;
+use fsdpturbo::ffi::config::{fsdpturbo_config_free, fsdpturbo_config_parse, fsdpturbo_config_t};
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
 use fsdpturbo::ffi::status::*;
 use fsdpturbo::ffi::topology::*;
@@ -376,7 +377,7 @@ fn topology_and_mesh_serialize_with_their_field_names() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Worked examples (reference §3.2, §3.4)
+// Worked examples (the seed's)
 
 #[test]
 fn worked_example_world16_cp1_ep8() {
@@ -851,6 +852,99 @@ fn ffi_new_errors() {
         FSDPTURBO_ERR_TOPOLOGY
     );
     assert!(last_error().contains("needs expert parallelism, but ep_size is 1"));
+}
+
+/// A parsed training configuration, freed on drop.
+struct Config(*mut fsdpturbo_config_t);
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        fsdpturbo_config_free(self.0);
+    }
+}
+
+fn config(yaml: &str) -> Config {
+    let mut out = ptr::null_mut();
+    assert_eq!(
+        fsdpturbo_config_parse(yaml.as_ptr().cast(), yaml.len(), &mut out),
+        FSDPTURBO_OK,
+        "{}",
+        last_error()
+    );
+    Config(out)
+}
+
+fn from_config(config: &Config, world: u64) -> Result<Handle, (i32, String)> {
+    let mut out = ptr::dangling_mut::<fsdpturbo_topology_t>(); // must be overwritten
+    let rc = fsdpturbo_topology_from_config(config.0, world, &mut out);
+    if rc != FSDPTURBO_OK {
+        assert!(out.is_null(), "a failure leaves *out NULL");
+        return Err((rc, last_error()));
+    }
+    Ok(Handle(out))
+}
+
+const SIZE_DIMS: [&str; 9] =
+    ["world", "dp", "cp", "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp"];
+
+#[test]
+fn ffi_from_config_takes_every_size_of_the_config() {
+    // (YAML, world, the same sizes as options for fsdpturbo_topology_new)
+    let cases = [
+        ("model: m\n", 8, options(8, 1, 1)),
+        ("cp_size: 2\ndist_config: {name: fsdpturbo, ep_size: 4}\n", 16, options(16, 2, 4)),
+        (
+            "dp_size: 8\ncp_size: 2\nmp_replicate_size: 2\nmp_shard_size: 8\n\
+             dist_config: {name: fsdpturbo, ep_size: 2, efsdp_size: 2}\n",
+            16,
+            fsdpturbo_topology_options_t {
+                dp_size: 8,
+                mp_replicate_size: 2,
+                mp_shard_size: 8,
+                efsdp_size: 2,
+                ..options(16, 2, 2)
+            },
+        ),
+        (
+            "mp_replicate_size: 4\ndist_config: {name: fsdpturbo, ep_size: 2, efsdp_size: 1}\n",
+            8,
+            fsdpturbo_topology_options_t { mp_replicate_size: 4, efsdp_size: 1, ..options(8, 1, 2) },
+        ),
+    ];
+    for (yaml, world, opts) in cases {
+        let ours = from_config(&config(yaml), world).unwrap_or_else(|e| panic!("{yaml}: {e:?}"));
+        let by_sizes = new_handle(&opts);
+        let sizes = |h: &Handle| SIZE_DIMS.iter().map(|d| size(h, d)).collect::<Vec<_>>();
+        assert_eq!(sizes(&ours), sizes(&by_sizes), "{yaml}");
+        for mesh in [FSDPTURBO_MESH_DATA, FSDPTURBO_MESH_MODEL, FSDPTURBO_MESH_EXPERT] {
+            let shape = |h: &Handle| {
+                let mut buf = [0u64; 4];
+                let mut len = 0usize;
+                let rc = fsdpturbo_topology_mesh_shape(h.0, mesh, buf.as_mut_ptr(), buf.len(), &mut len);
+                (rc, buf[..if rc == FSDPTURBO_OK { len } else { 0 }].to_vec())
+            };
+            assert_eq!(shape(&ours), shape(&by_sizes), "{yaml}, mesh {mesh}");
+        }
+    }
+}
+
+#[test]
+fn ffi_from_config_errors() {
+    let cfg = config("dist_config: {name: fsdpturbo, ep_size: 3}\n");
+    for (world, expected) in
+        [(16, "dp_size must be divisible by ep_size, got 16 % 3 != 0."), (0, "world_size")]
+    {
+        let (rc, message) = from_config(&cfg, world).err().expect("refused");
+        assert_eq!(rc, FSDPTURBO_ERR_TOPOLOGY);
+        assert!(message.contains(expected), "{message}");
+    }
+
+    let mut out = ptr::dangling_mut::<fsdpturbo_topology_t>();
+    assert_eq!(fsdpturbo_topology_from_config(ptr::null(), 8, &mut out), FSDPTURBO_ERR_NULL_ARGUMENT);
+    assert!(out.is_null());
+    assert_eq!(last_error(), "argument `config` must not be NULL");
+    assert_eq!(fsdpturbo_topology_from_config(cfg.0, 9, ptr::null_mut()), FSDPTURBO_ERR_NULL_ARGUMENT);
+    assert_eq!(last_error(), "argument `out` must not be NULL");
 }
 
 #[test]

@@ -48,7 +48,7 @@ setup(
     description="Expert-parallel and expert-sharded-FSDP engine for Mixture-of-Experts training",
     package_dir={"": "python"},
     packages=["fsdpturbo", "fsdpturbo.dispatch", "fsdpturbo.llamafactory", "fsdp_turbo", "fsdp_turbo.distributed",
-              "fsdp_turbo.distributed.expert_parallel", "fsdp_turbo.ops", "fsdp_turbo.utils"],
+              "fsdp_turbo.distributed.expert_parallel", "fsdp_turbo.ops", "fsdp_turbo.training", "fsdp_turbo.utils"],
     python_requires=">=3.10",
     cmdclass={"build_py": BuildWithCMake},
     zip_safe=False,

@@ -116,13 +116,8 @@ int main(int argc, char** argv) {
   std::string yaml = read_file(argv[1]);
   fsdpturbo_config_t* config = nullptr;
   ok(fsdpturbo_config_parse(yaml.c_str(), yaml.size(), &config), "fsdpturbo_config_parse");
-  fsdpturbo_topology_options_t options = FSDPTURBO_TOPOLOGY_OPTIONS_INIT;
-  options.world_size = world;
-  ok(fsdpturbo_config_cp_size(config, &options.cp_size), "fsdpturbo_config_cp_size");
-  ok(fsdpturbo_config_ep_size(config, &options.ep_size), "fsdpturbo_config_ep_size");
-  ok(fsdpturbo_config_efsdp_size(config, &options.efsdp_size), "fsdpturbo_config_efsdp_size");
   fsdpturbo_topology_t* topology = nullptr;
-  ok(fsdpturbo_topology_new(&options, &topology), "fsdpturbo_topology_new");
+  ok(fsdpturbo_topology_from_config(config, world, &topology), "fsdpturbo_topology_from_config");
   uint64_t ep = 0;
   ok(fsdpturbo_topology_size(topology, "ep", &ep), "fsdpturbo_topology_size(ep)");
 

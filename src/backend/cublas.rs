@@ -1,5 +1,5 @@
 //! cuBLAS (`libcublas.so.13` / `.12`), loaded at run time, for the experts' grouped GEMM and its
-//! two backward GEMMs (host/gemm `grouped_matmul*`: row-major `x [N, in]`, `W [G, out, in]`,
+//! two backward GEMMs (host/gemm `grouped_mm*`: row-major `x [N, in]`, `W [G, out, in]`,
 //! `y = x_g @ W[g]^T` per group of consecutive rows). `cublasGemmGroupedBatchedEx` (cuBLAS
 //! 12.5+) runs all groups in one call; without it, one `cublasGemmEx` per group. Signatures and
 //! enum values from cuBLAS's `cublas_api.h`. Inputs of 16-bit types compute in f32, f64 in
@@ -471,7 +471,7 @@ mod tests {
     /// The column-major problems compute the row-major grouped matmul of host/gemm, including empty
     /// groups (no rows; a zero weight gradient).
     #[test]
-    fn column_major_problems_are_the_row_major_grouped_matmul() {
+    fn column_major_problems_are_the_row_major_grouped_mm() {
         let (inf, outf, counts) = (5usize, 3usize, [2u64, 0, 3, 1]);
         let rows = counts.iter().sum::<u64>() as usize;
         let g = counts.len();

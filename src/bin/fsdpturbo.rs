@@ -158,9 +158,9 @@ fn dry_run(args: &Args) -> DryRun {
             return run;
         }
     };
-    let dist = config.dist.clone().unwrap_or_default();
-    run.violations.extend(plan::unsupported(&dist, &args.device).into_iter().map(|v| format!("config: {v}")));
-    let input = PlanInput { tree, spec, dist: &dist, topology, bf16: config.bf16 };
+    let dist = &config.dist;
+    run.violations.extend(plan::unsupported(dist, &args.device).into_iter().map(|v| format!("config: {v}")));
+    let input = PlanInput { tree, spec, dist, topology, bf16: config.bf16 };
     match plan::resolve(&input) {
         Ok(resolved) => {
             for rank in 0..world_size {

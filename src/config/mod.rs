@@ -1,6 +1,6 @@
 //! Strict parsing of the training configuration: a LlamaFactory-style training YAML with its
 //! public topology at the top level, `dist_config` (strictly `FSDPTurboParams`) and
-//! `kernel_config` (reference: `seed-semantics.md` §1.1, §1.2, §1.5).
+//! `kernel_config` (the seed's, docs/seed.md).
 //!
 //! Every problem is collected (not only the first) and each names its YAML path and line.
 //! Values come from `serde_yaml`; as its `Value` has no spans, the line of each key comes from
@@ -147,7 +147,7 @@ impl AuxLossScope {
 }
 
 /// `dist_config`: LlamaFactory's `FSDPTurboParams`, with the seed's defaults, plus our
-/// extensions: `efsdp_size` (DESIGN §4.6), the capacity-bounded dispatch and load balancing.
+/// extensions: `efsdp_size` (docs/design.md §4.6), the capacity-bounded dispatch and load balancing.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DistConfig {
     pub name: String,
@@ -167,7 +167,7 @@ pub struct DistConfig {
     pub capacity_factor: Option<f64>,
     /// Capacity-bounded dispatch with an explicit capacity: rows per expert per source rank.
     pub expert_capacity: Option<u64>,
-    /// What overflows a capacity; `None` (only without one) = `Drop` when a capacity is set.
+    /// What overflows a capacity: `Drop` unless the YAML says otherwise; `None` without one.
     pub capacity_overflow: Option<CapacityOverflow>,
     pub aux_loss_scope: AuxLossScope,
     /// Coefficient of the router z-loss (mean squared log-sum-exp of the router logits); 0 = off.
@@ -240,8 +240,8 @@ pub struct TrainConfig {
     /// Seconds.
     pub dist_timeout: u64,
     pub bf16: bool,
-    /// `None` when the YAML has no `dist_config` (or it is null).
-    pub dist: Option<DistConfig>,
+    /// `dist_config`; every default where the YAML has none (or it is null).
+    pub dist: DistConfig,
     /// `None` when the YAML has no `kernel_config` (or it is null).
     pub kernel: Option<KernelConfig>,
 }
@@ -256,7 +256,7 @@ impl Default for TrainConfig {
             mp_shard_size: None,
             dist_timeout: 18000,
             bf16: false,
-            dist: None,
+            dist: DistConfig::default(),
             kernel: None,
         }
     }

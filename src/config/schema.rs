@@ -59,8 +59,8 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
     if let Some((path, v)) = field("bf16") {
         cfg.bf16 = boolean(cx, &path, v).unwrap_or(cfg.bf16);
     }
-    if let Some((path, v)) = field("dist_config") {
-        cfg.dist = dist_config(cx, &path, v);
+    if let Some(dist) = field("dist_config").and_then(|(path, v)| dist_config(cx, &path, v)) {
+        cfg.dist = dist;
     }
     if let Some((path, v)) = field("kernel_config") {
         cfg.kernel = kernel_config(cx, &path, v);
@@ -70,7 +70,7 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
 }
 
 /// The topology checks that need no world size: sizes implied by the explicit ones must
-/// agree and divide (reference §3.1, §3.3).
+/// agree and divide.
 pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
     // A size that was rejected holds its default here: checking it would only mislead.
     const SIZES: [&str; 6] = [
@@ -121,7 +121,8 @@ pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
         (Some((_, Some(w))), None) => Some(w / cp),
         (_, data) => data.map(|(d, _)| d),
     };
-    let (Some(dp), Some(dist)) = (dp, &cfg.dist) else { return };
+    let Some(dp) = dp else { return };
+    let dist = &cfg.dist;
     let ep = dist.ep_size;
     let dist_path = top.key("dist_config");
     if dp % ep != 0 {
@@ -278,6 +279,9 @@ fn capacity(cx: &mut Cx, path: &Path, map: &Mapping, d: &mut DistConfig) {
                  one the dispatch is dropless and nothing overflows)",
             );
         }
+    }
+    if factor.is_some() || tokens.is_some() {
+        d.capacity_overflow.get_or_insert(CapacityOverflow::Drop);
     }
 }
 

@@ -122,3 +122,15 @@ fn edit_distance_counts_edits() {
     );
     assert_eq!(did_you_mean("zzz", &DIST_FIELDS), None);
 }
+
+#[test]
+fn without_a_dist_config_every_dist_config_key_is_serialised_with_its_default() {
+    let json = serde_json::to_value(parse_train_config("model: m\n").unwrap()).unwrap();
+    let dist = json["dist"].as_object().expect("`dist` is a mapping");
+    let mut keys: Vec<&str> = dist.keys().map(String::as_str).collect();
+    let mut expected = DIST_FIELDS.to_vec();
+    keys.sort_unstable();
+    expected.sort_unstable();
+    assert_eq!(keys, expected);
+    assert_eq!(json["dist"], serde_json::to_value(DistConfig::default()).unwrap());
+}

@@ -71,8 +71,12 @@ pub extern "C" fn fsdpturbo_config_free(config: *mut fsdpturbo_config_t) {
 /// Writes the whole configuration as JSON (NUL-terminated) into `buf` of `cap` bytes.
 /// `*out_len` receives the bytes needed including the NUL; a short buffer (NULL is fine with
 /// `cap` 0) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL and is left untouched. Keys are those of the
-/// YAML; `dist` and `kernel` are null when the YAML has none; `dp_size`, `mp_shard_size` and
-/// `dist.efsdp_size` are null when left to their defaults.
+/// YAML, every default filled in: `dist` holds every dist_config key also when the YAML has no
+/// dist_config. Null stands for what no default fills: `kernel` without a kernel_config,
+/// `dist.capacity_factor`, `dist.expert_capacity` and `dist.capacity_overflow` without a
+/// capacity, unset `dist.dcp_path` and `dist.expert_bias_update_rate`, and `dp_size`,
+/// `mp_shard_size` and `dist.efsdp_size` left to their formulas of the world size
+/// (fsdpturbo_topology_from_config applies them).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_config_to_json(
     config: *const fsdpturbo_config_t,
@@ -99,7 +103,7 @@ fn get<T>(config: *const fsdpturbo_config_t, out: *mut T, read: impl FnOnce(&Tra
 /// `dist_config.ep_size` (1 when there is no dist_config).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_config_ep_size(config: *const fsdpturbo_config_t, out: *mut u64) -> i32 {
-    get(config, out, |c| c.dist.as_ref().map_or(1, |d| d.ep_size))
+    get(config, out, |c| c.dist.ep_size)
 }
 
 /// The top-level `cp_size` (default 1).
@@ -117,12 +121,12 @@ pub extern "C" fn fsdpturbo_config_dp_size(config: *const fsdpturbo_config_t, ou
 /// `dist_config.efsdp_size`; 0 when not set (the default: dp_size / ep_size).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_config_efsdp_size(config: *const fsdpturbo_config_t, out: *mut u64) -> i32 {
-    get(config, out, |c| c.dist.as_ref().and_then(|d| d.efsdp_size).unwrap_or(0))
+    get(config, out, |c| c.dist.efsdp_size.unwrap_or(0))
 }
 
 /// `dist_config.ep_dispatcher` as a FSDPTURBO_DISPATCHER_* constant (EAGER when there is no
 /// dist_config).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_config_dispatcher(config: *const fsdpturbo_config_t, out: *mut i32) -> i32 {
-    get(config, out, |c| dispatcher_code(c.dist.as_ref().map_or(Dispatcher::Eager, |d| d.ep_dispatcher)))
+    get(config, out, |c| dispatcher_code(c.dist.ep_dispatcher))
 }

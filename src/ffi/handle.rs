@@ -346,3 +346,13 @@ pub(crate) fn free_handle<T>(ptr: *mut T) {
         drop(unsafe { Box::from_raw(ptr) });
     }
 }
+
+/// A data buffer given as (pointer, byte length): checked by the marshalling layer.
+pub(crate) fn data_region<'n>(
+    ptr: *const c_void,
+    bytes: usize,
+    dtype: Dtype,
+    name: &'n str,
+) -> Result<Region<'n>, FfiError> {
+    check_data(ptr, elems_of(bytes, dtype, &format!("{name}_bytes"))?, dtype, name)
+}

@@ -15,7 +15,7 @@ use crate::host::isa;
 ///
 /// A value of FSDPTURBO_HOST_ISA that is none of those is FSDPTURBO_ERR_INVALID_ARGUMENT, one
 /// that names an instruction set this CPU or build lacks FSDPTURBO_ERR_UNAVAILABLE, here and from
-/// every host kernel (fsdpturbo_grouped_matmul and its gradients, fsdpturbo_unpermute,
+/// every host kernel (fsdpturbo_grouped_mm and its gradients, fsdpturbo_unpermute,
 /// fsdpturbo_local_power_sum, fsdpturbo_scale_in_place, fsdpturbo_clip_grad_norm*), with a
 /// message naming the variable, the value, what is accepted and what this host supports.
 #[unsafe(no_mangle)]

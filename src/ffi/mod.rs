@@ -15,10 +15,11 @@ pub mod version;
 // The internal header (include/fsdpturbo_internal.h): the op library's CUDA kernels, test hooks.
 pub mod internal;
 
-pub mod ascend;
 pub mod backend;
 pub mod comm;
 pub mod config;
+pub mod gemm;
+pub mod hccl;
 pub mod host_isa;
 pub mod norm;
 pub mod npu;

@@ -128,7 +128,7 @@ fn mc2_dtype(code: i32) -> Result<i32, FfiError> {
 /// out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn fsdpturbo_npu_grouped_matmul(
+pub extern "C" fn fsdpturbo_npu_grouped_mm(
     dtype: i32,
     x: *const fsdpturbo_npu_view_t,
     weight: *const fsdpturbo_npu_view_t,
@@ -153,7 +153,7 @@ pub extern "C" fn fsdpturbo_npu_grouped_matmul(
         let api = Aclnn::get()?;
         // SAFETY: the views describe live device memory (caller's contract).
         unsafe {
-            api.grouped_matmul(&x, &weight, &group_list, &out, split_item, group_type, &mut workspace, stream)
+            api.grouped_mm(&x, &weight, &group_list, &out, split_item, group_type, &mut workspace, stream)
         }?;
         Ok(())
     })
@@ -161,8 +161,8 @@ pub extern "C" fn fsdpturbo_npu_grouped_matmul(
 
 /// The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
 #[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_npu_grouped_matmul_version(out: *mut u32) -> i32 {
-    boundary(|| write_out(out, "out", Aclnn::get()?.grouped_matmul.version()))
+pub extern "C" fn fsdpturbo_npu_grouped_mm_version(out: *mut u32) -> i32 {
+    boundary(|| write_out(out, "out", Aclnn::get()?.grouped_mm.version()))
 }
 
 /// `aclnnMoeTokenPermute`: `permuted` ([T·K, H]) gets the rows of `tokens` ([T, H]) in the
@@ -228,7 +228,7 @@ pub extern "C" fn fsdpturbo_npu_moe_token_unpermute(
 /// bfloat16 or float16 (`dtype`); every rank of the communicator calls it.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn fsdpturbo_npu_alltoallv_grouped_matmul(
+pub extern "C" fn fsdpturbo_npu_alltoallv_grouped_mm(
     dtype: i32,
     x: *const fsdpturbo_npu_view_t,
     weight: *const fsdpturbo_npu_view_t,
@@ -247,7 +247,7 @@ pub extern "C" fn fsdpturbo_npu_alltoallv_grouped_matmul(
         let mut workspace = workspace(alloc, alloc_ctx)?;
         // SAFETY: the views describe live device memory (caller's contract).
         unsafe {
-            Aclnn::get()?.alltoallv_grouped_matmul(
+            Aclnn::get()?.alltoallv_grouped_mm(
                 &x,
                 &weight,
                 &exchange,
@@ -266,7 +266,7 @@ pub extern "C" fn fsdpturbo_npu_alltoallv_grouped_matmul(
 /// [Σ recv_counts, N]. bfloat16 or float16; every rank of the communicator calls it.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn fsdpturbo_npu_grouped_matmul_alltoallv(
+pub extern "C" fn fsdpturbo_npu_grouped_mm_alltoallv(
     dtype: i32,
     x: *const fsdpturbo_npu_view_t,
     weight: *const fsdpturbo_npu_view_t,
@@ -282,9 +282,7 @@ pub extern "C" fn fsdpturbo_npu_grouped_matmul_alltoallv(
         let exchange = exchange(exchange_spec)?;
         let mut workspace = workspace(alloc, alloc_ctx)?;
         // SAFETY: the views describe live device memory (caller's contract).
-        unsafe {
-            Aclnn::get()?.grouped_matmul_alltoallv(&x, &weight, &exchange, &y, &mut workspace, stream)
-        }?;
+        unsafe { Aclnn::get()?.grouped_mm_alltoallv(&x, &weight, &exchange, &y, &mut workspace, stream) }?;
         Ok(())
     })
 }

@@ -1,4 +1,4 @@
-//! C ABI of the device-operator registry (`crate::ops`): one process-wide registry shared by
+//! C ABI of the device-operator registry (`crate::registry`): one process-wide registry shared by
 //! every caller (C, C++, the Python package), which maps an operator name and a device type to
 //! an implementation id. Callers keep their own id → function table.
 
@@ -7,7 +7,7 @@ use std::ffi::c_char;
 use super::error::FfiError;
 use super::handle::{arg_ref, arg_str, write_out, write_string};
 use super::panic::boundary;
-use crate::ops::{self, Resolution};
+use crate::registry::{self, Resolution};
 use crate::state;
 
 /// How fsdpturbo_op_resolve found the implementation: the device's own.
@@ -86,9 +86,9 @@ pub extern "C" fn fsdpturbo_op_fallback_warning(
     boundary(|| {
         let op_name = arg_str(op_name, "op_name")?;
         let device_type = arg_str(device_type, "device_type")?;
-        ops::check_op_name(op_name).map_err(FfiError::from)?;
-        ops::check_device_type(device_type).map_err(FfiError::from)?;
-        write_string(buf, cap, out_len, &ops::fallback_warning(op_name, device_type), "buf")
+        registry::check_op_name(op_name).map_err(FfiError::from)?;
+        registry::check_device_type(device_type).map_err(FfiError::from)?;
+        write_string(buf, cap, out_len, &registry::fallback_warning(op_name, device_type), "buf")
     })
 }
 

@@ -90,8 +90,7 @@ fn model_tree(desc: *const fsdpturbo_model_desc_t) -> Result<ModelTree, FfiError
 
 fn resolve(tree: ModelTree, config: &TrainConfig, topology: &Topology) -> Result<fsdpturbo_plan_t, FfiError> {
     let spec = state::spec(&tree.model_type)?;
-    let dist = config.dist.clone().unwrap_or_default();
-    let input = PlanInput { tree: &tree, spec: &spec, dist: &dist, topology, bf16: config.bf16 };
+    let input = PlanInput { tree: &tree, spec: &spec, dist: &config.dist, topology, bf16: config.bf16 };
     let plan = plan::resolve(&input)?;
     Ok(fsdpturbo_plan_t { plan, tree, topology: topology.clone(), bf16: config.bf16 })
 }
@@ -196,7 +195,7 @@ pub extern "C" fn fsdpturbo_plan_param_role(
     })
 }
 
-/// What every gradient is divided by after its reduction (DESIGN §4.1).
+/// What every gradient is divided by after its reduction (docs/design.md §4.1).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_plan_gradient_divide_factor(plan: *const fsdpturbo_plan_t, out: *mut f64) -> i32 {
     boundary(|| write_out(out, "out", arg_ref(plan, "plan")?.plan.gradient_divide_factor))

@@ -1,14 +1,16 @@
-//! C ABI of `topology`: build a topology from sizes, read its sizes, mesh shapes, rank
-//! coordinates and communication groups.
+//! C ABI of `topology`: build a topology from sizes or from a parsed training configuration,
+//! read its sizes, mesh shapes, rank coordinates and communication groups.
 
 use std::ffi::c_char;
 
+use super::config::fsdpturbo_config_t;
 use super::error::FfiError;
 use super::handle::{
     arg_ref, arg_str, check_struct_size, free_handle, into_handle, invalid, struct_size_of, write_out,
     write_slice,
 };
 use super::panic::boundary;
+use crate::plan::topology_spec;
 use crate::topology::{Mesh, Topology, TopologySpec};
 
 /// Selects the data mesh `(dp, cp)`, dims "dp", "cp".
@@ -48,8 +50,8 @@ pub struct fsdpturbo_topology_options_t {
 const TOPOLOGY_OPTIONS_V1_SIZE: usize =
     std::mem::offset_of!(fsdpturbo_topology_options_t, efsdp_size) + std::mem::size_of::<u64>();
 
-/// An opaque, immutable topology. Made by fsdpturbo_topology_new or fsdpturbo_state_get; freed
-/// with fsdpturbo_topology_free.
+/// An opaque, immutable topology. Made by fsdpturbo_topology_new,
+/// fsdpturbo_topology_from_config or fsdpturbo_state_get; freed with fsdpturbo_topology_free.
 pub struct fsdpturbo_topology_t {
     pub(crate) topology: Topology,
 }
@@ -140,6 +142,26 @@ pub extern "C" fn fsdpturbo_topology_new(
             efsdp_size: default_if_zero(options.efsdp_size),
         };
         let topology = Topology::new(&spec)?;
+        write_out(out, "out", into_handle(fsdpturbo_topology_t::from_topology(topology)))
+    })
+}
+
+/// Builds the topology that `config` asks for on `world_size` ranks and stores a new handle in
+/// `*out` (NULL on failure): its dp_size, cp_size, mp_replicate_size, mp_shard_size and
+/// dist_config's ep_size and efsdp_size, each one the YAML leaves unset taking its default
+/// formula, as with fsdpturbo_topology_new. Errors: FSDPTURBO_ERR_NULL_ARGUMENT,
+/// FSDPTURBO_ERR_TOPOLOGY (sizes that do not fit `world_size`; the message names them and
+/// what is accepted).
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_topology_from_config(
+    config: *const fsdpturbo_config_t,
+    world_size: u64,
+    out: *mut *mut fsdpturbo_topology_t,
+) -> i32 {
+    boundary(|| {
+        write_out(out, "out", std::ptr::null_mut())?;
+        let config = arg_ref(config, "config")?.config();
+        let topology = Topology::new(&topology_spec(config, world_size))?;
         write_out(out, "out", into_handle(fsdpturbo_topology_t::from_topology(topology)))
     })
 }

@@ -14,21 +14,21 @@ int main(void) {
   int64_t counts[2] = {1, 1};
   fsdpturbo_npu_exchange_t exchange = {"hccl_world_group", 2, 2, counts, counts, true};
 
-  CHECK_STATUS(fsdpturbo_npu_alltoallv_grouped_matmul(FSDPTURBO_DTYPE_F32, &v, &v, &exchange, &v, NULL, never_alloc,
+  CHECK_STATUS(fsdpturbo_npu_alltoallv_grouped_mm(FSDPTURBO_DTYPE_F32, &v, &v, &exchange, &v, NULL, never_alloc,
                                                       NULL, NULL),
                FSDPTURBO_ERR_INVALID_ARGUMENT);
   CHECK(last_error_contains("bfloat16 or float16"));
-  CHECK_STATUS(fsdpturbo_npu_grouped_matmul_alltoallv(FSDPTURBO_DTYPE_BF16, &v, &v, NULL, &v, never_alloc, NULL, NULL),
+  CHECK_STATUS(fsdpturbo_npu_grouped_mm_alltoallv(FSDPTURBO_DTYPE_BF16, &v, &v, NULL, &v, never_alloc, NULL, NULL),
                FSDPTURBO_ERR_NULL_ARGUMENT);
   CHECK(last_error_contains("exchange"));
   exchange.group = NULL;
-  CHECK_STATUS(fsdpturbo_npu_alltoallv_grouped_matmul(FSDPTURBO_DTYPE_BF16, &v, &v, &exchange, &v, NULL, never_alloc,
+  CHECK_STATUS(fsdpturbo_npu_alltoallv_grouped_mm(FSDPTURBO_DTYPE_BF16, &v, &v, &exchange, &v, NULL, never_alloc,
                                                       NULL, NULL),
                FSDPTURBO_ERR_NULL_ARGUMENT);
   CHECK(last_error_contains("exchange.group"));
   exchange.group = "hccl_world_group";
   exchange.send_counts = NULL;
-  CHECK_STATUS(fsdpturbo_npu_grouped_matmul_alltoallv(FSDPTURBO_DTYPE_F16, &v, &v, &exchange, &v, never_alloc, NULL,
+  CHECK_STATUS(fsdpturbo_npu_grouped_mm_alltoallv(FSDPTURBO_DTYPE_F16, &v, &v, &exchange, &v, never_alloc, NULL,
                                                       NULL),
                FSDPTURBO_ERR_NULL_ARGUMENT);
   CHECK(last_error_contains("exchange.send_counts"));

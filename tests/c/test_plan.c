@@ -25,13 +25,8 @@ static fsdpturbo_config_t *parse(const char *yaml) {
 }
 
 static fsdpturbo_topology_t *topology_for(const fsdpturbo_config_t *config, uint64_t world) {
-  fsdpturbo_topology_options_t options = FSDPTURBO_TOPOLOGY_OPTIONS_INIT;
-  options.world_size = world;
-  CHECK_STATUS(fsdpturbo_config_cp_size(config, &options.cp_size), FSDPTURBO_OK);
-  CHECK_STATUS(fsdpturbo_config_ep_size(config, &options.ep_size), FSDPTURBO_OK);
-  CHECK_STATUS(fsdpturbo_config_efsdp_size(config, &options.efsdp_size), FSDPTURBO_OK);
   fsdpturbo_topology_t *topology = NULL;
-  CHECK_STATUS(fsdpturbo_topology_new(&options, &topology), FSDPTURBO_OK);
+  CHECK_STATUS(fsdpturbo_topology_from_config(config, world, &topology), FSDPTURBO_OK);
   return topology;
 }
 
@@ -170,6 +165,21 @@ static void test_misuse(void) {
   CHECK(fsdpturbo_config_parse(bad_utf8, sizeof bad_utf8 - 1, &config) != FSDPTURBO_OK);
   CHECK(last_error_contains("UTF-8"));
   CHECK_STATUS(fsdpturbo_config_parse("dist_config: [1\n", 16, &config), FSDPTURBO_ERR_CONFIG);
+
+  /* A configuration whose sizes do not fit the world: the topology error, *out reset. */
+  config = parse("dp_size: 4\ndist_config:\n  name: fsdpturbo\n  ep_size: 4\n");
+  fsdpturbo_topology_t *from_config = (fsdpturbo_topology_t *)config;
+  CHECK_STATUS(fsdpturbo_topology_from_config(config, 8, &from_config), FSDPTURBO_ERR_TOPOLOGY);
+  CHECK(from_config == NULL);
+  CHECK(last_error_contains("dp_size"));
+  CHECK_STATUS(fsdpturbo_topology_from_config(NULL, 4, &from_config), FSDPTURBO_ERR_NULL_ARGUMENT);
+  CHECK_STATUS(fsdpturbo_topology_from_config(config, 4, NULL), FSDPTURBO_ERR_NULL_ARGUMENT);
+  CHECK_STATUS(fsdpturbo_topology_from_config(config, 4, &from_config), FSDPTURBO_OK);
+  uint64_t dp = 0;
+  CHECK_STATUS(fsdpturbo_topology_size(from_config, "dp", &dp), FSDPTURBO_OK);
+  CHECK(dp == 4);
+  fsdpturbo_topology_free(from_config);
+  fsdpturbo_config_free(config);
 
   fsdpturbo_topology_options_t options = FSDPTURBO_TOPOLOGY_OPTIONS_INIT;
   fsdpturbo_topology_t *topology = NULL;

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
+from blocks import ROUTES, TOKENS_PER_RANK, block_data, moe_block, override_router
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DOUBLE_DIR = pathlib.Path(os.environ.get("FSDPTURBO_ASCEND_DOUBLE_DIR", REPO / "build" / "ascend_double"))
@@ -120,7 +121,7 @@ def _grouped_mm_rank(rank, world, log_dir):
     assert re.fullmatch(r"aclCreateTensor T\d+ dtype=27 dims=\[6,5\] .*", _log(log)[len(lines) + 0]), _log(log)
     from fsdpturbo._native import lib
     version = ctypes.c_uint32()
-    assert lib.fsdpturbo_npu_grouped_matmul_version(ctypes.byref(version)) == 0 and version.value == 5
+    assert lib.fsdpturbo_npu_grouped_mm_version(ctypes.byref(version)) == 0 and version.value == 5
 
 
 def test_grouped_mm_runs_aclnn_through_the_double(tmp_path):
@@ -142,7 +143,6 @@ def _launches(lines, op):
 
 
 def _dispatchers_rank(rank, world, route_name, log_dir):
-    from test_ep import ROUTES, TOKENS_PER_RANK, _block, _data, _override_router
 
     import fsdpturbo
     from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
@@ -157,11 +157,11 @@ def _dispatchers_rank(rank, world, route_name, log_dir):
     # fused against eager in float32; mc2 (bfloat16 or float16 only) against eager in bfloat16.
     for dispatcher, dtype in (("eager", torch.float32), ("fused", torch.float32), ("eager", torch.bfloat16),
                               ("mc2", torch.bfloat16)):
-        block = _block(8, 2, dtype)
+        block = moe_block(8, 2, dtype)
         if route is not None:
-            _override_router(block, lambda t: route(world * TOKENS_PER_RANK)[rank * t:(rank + 1) * t])
+            override_router(block, lambda t: route(world * TOKENS_PER_RANK)[rank * t:(rank + 1) * t])
         expert_parallelize_modules(block, ep_mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher))
-        x_all, cotangent = _data(world, dtype)
+        x_all, cotangent = block_data(world, dtype)
         results[dispatcher, dtype], segments[dispatcher] = _run_block(block, x_all[rows], cotangent[rows], log)
     for got, want in zip(results["fused", torch.float32], results["eager", torch.float32]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dist_util import run_ranks
 from fsdpturbo.ep_state import ep_modules, state
-from test_train import SEQ, full, tiny_config, train_config
+from models import SEQ, full, tiny_config, train_config
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]

@@ -13,53 +13,33 @@ import torch.distributed as dist
 import fsdpturbo
 from dist_util import run_ranks
 from fsdpturbo.dispatch import Capacity
-from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 from host_sync import HostSync, no_host_sync
-from test_ep import ROUTES, _block, _data, _override_router, one_process_gates
+from blocks import ROUTES, TOKENS_PER_RANK, block_data, ep_block, ep_step, moe_block, one_process_gates
 
 pytestmark = pytest.mark.parity  # also run on the other instruction sets (ctest parity_*)
 
-TOKENS = 5  # per rank (test_ep's data)
-
-
-def _ep_block(mesh, dispatcher, capacity, dtype, route=None, rank=0, world=1, seed=0):
-    block = _block(8, 2, dtype, seed=seed)
-    if route is not None:
-        _override_router(block, lambda t: route(world * TOKENS)[rank * t:(rank + 1) * t])
-    return expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher,
-                                                                capacity=capacity))
-
-
-def _step(block, x, cotangent):
-    """Output and gradients (input, router, local expert weights) of one forward and backward."""
-    x = x.clone().requires_grad_(True)
-    out = block(x.unsqueeze(0)).squeeze(0)
-    (out * cotangent).sum().backward()
-    return {"output": out.detach(), "input grad": x.grad, "grad gate.weight": block.gate.weight.grad,
-            "grad experts.gate_up_proj": block.experts.gate_up_proj.grad.full_tensor(),
-            "grad experts.down_proj": block.experts.down_proj.grad.full_tensor()}
 
 
 def _enough_capacity_rank_fn(rank, world, ep):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))["ep"]
-    x_all, cotangent = _data(world, torch.float32)
-    rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
-    inputs = [(x_all[r * TOKENS:(r + 1) * TOKENS], cotangent[r * TOKENS:(r + 1) * TOKENS]) for r in range(world)]
+    x_all, cotangent = block_data(world, torch.float32)
+    rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    inputs = [(x_all[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK], cotangent[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK]) for r in range(world)]
     for route_name, route in ROUTES.items():
-        routes = [None if route is None else route(world * TOKENS)[r * TOKENS:(r + 1) * TOKENS] for r in range(world)]
+        routes = [None if route is None else route(world * TOKENS_PER_RANK)[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK] for r in range(world)]
         local, every = one_process_gates(torch.float32, inputs, routes, rank)
         # Every slot fits: C = all slots of a rank (expert_capacity), or a factor that gives it.
-        for capacity in (Capacity(tokens=2 * TOKENS), Capacity(factor=8.0)):
+        for capacity in (Capacity(tokens=2 * TOKENS_PER_RANK), Capacity(factor=8.0)):
             for dispatcher in ("fused", "eager"):
-                dropless = _step(_ep_block(mesh, dispatcher, None, torch.float32, route, rank, world), x_all[rows],
+                dropless = ep_step(ep_block(mesh, dispatcher, None, torch.float32, route, rank, world), x_all[rows],
                                  cotangent[rows])
-                bounded = _ep_block(mesh, dispatcher, capacity, torch.float32, route, rank, world)
-                got = _step(bounded, x_all[rows], cotangent[rows])
+                bounded = ep_block(mesh, dispatcher, capacity, torch.float32, route, rank, world)
+                got = ep_step(bounded, x_all[rows], cotangent[rows])
                 loads, dropped = fsdpturbo.expert_load(bounded, with_dropped=True)
                 assert int(dropped["experts"].sum()) == 0
-                assert int(loads["experts"].sum()) == world * TOKENS * 2
+                assert int(loads["experts"].sum()) == world * TOKENS_PER_RANK * 2
                 for name, value in got.items():
                     where = f"{dispatcher} {route_name} {capacity}"
                     if dispatcher == "fused":
@@ -86,22 +66,22 @@ def _kept_slots(index, capacity):
 def _masked_reference(world, capacity, dtype):
     """The Hugging Face block on every rank's tokens in one process, each slot's router weight
     zeroed where that rank's expert was over capacity."""
-    block = _block(8, 2, dtype)
+    block = moe_block(8, 2, dtype)
     original = block.gate.forward
 
     def forward(hidden):
         logits, weights, index = original(hidden)
-        keep = torch.cat([_kept_slots(index[r * TOKENS:(r + 1) * TOKENS], capacity) for r in range(world)])
+        keep = torch.cat([_kept_slots(index[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK], capacity) for r in range(world)])
         return logits, weights * keep.to(weights.dtype), index
 
     block.gate.forward = forward
-    x, cotangent = _data(world, dtype)
+    x, cotangent = block_data(world, dtype)
     x.requires_grad_(True)
     out = block(x.unsqueeze(0)).squeeze(0)
     (out * cotangent).sum().backward()
     with torch.no_grad():
         index = original(x)[2]
-    dropped = sum((~_kept_slots(index[r * TOKENS:(r + 1) * TOKENS], capacity)).sum() for r in range(world))
+    dropped = sum((~_kept_slots(index[r * TOKENS_PER_RANK:(r + 1) * TOKENS_PER_RANK], capacity)).sum() for r in range(world))
     return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}, int(dropped)
 
 
@@ -111,10 +91,10 @@ def _drop_rank_fn(rank, world, dispatcher):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     capacity = 1  # 5 tokens × top-2 over 8 experts: most experts get 2+ slots from a rank
     ref_out, ref_xgrad, ref_grads, ref_dropped = _masked_reference(world, capacity, torch.float64)
-    block = _ep_block(mesh, dispatcher, Capacity(tokens=capacity), torch.float64)
-    x_all, cotangent = _data(world, torch.float64)
-    rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
-    got = _step(block, x_all[rows], cotangent[rows])
+    block = ep_block(mesh, dispatcher, Capacity(tokens=capacity), torch.float64)
+    x_all, cotangent = block_data(world, torch.float64)
+    rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    got = ep_step(block, x_all[rows], cotangent[rows])
     tol = dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got["output"], ref_out[rows], **tol)
     torch.testing.assert_close(got["input grad"], ref_xgrad[rows], **tol)
@@ -126,7 +106,7 @@ def _drop_rank_fn(rank, world, dispatcher):
     loads, dropped = fsdpturbo.expert_load(block, with_dropped=True)
     assert 0 < ref_dropped == int(dropped["experts"].sum())
     summary = fsdpturbo.load_summary(loads, dropped)
-    assert summary["dropped_tokens"] == ref_dropped and summary["tokens"] == world * TOKENS * 2
+    assert summary["dropped_tokens"] == ref_dropped and summary["tokens"] == world * TOKENS_PER_RANK * 2
 
 
 @pytest.mark.parametrize("dispatcher", ["eager", "fused"])
@@ -138,17 +118,17 @@ def _fail_rank_fn(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    block = _ep_block(mesh, "fused", Capacity(tokens=3, overflow="fail"), torch.float32, ROUTES["skewed"], rank,
+    block = ep_block(mesh, "fused", Capacity(tokens=3, overflow="fail"), torch.float32, ROUTES["skewed"], rank,
                       world)
-    x_all, _ = _data(world, torch.float32)
+    x_all, _ = block_data(world, torch.float32)
     with pytest.raises(RuntimeError) as raised:
-        block(x_all[rank * TOKENS:(rank + 1) * TOKENS].unsqueeze(0))
+        block(x_all[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK].unsqueeze(0))
     assert ("fsdpturbo: experts: expert 0 got more rows than its capacity of 3 per rank (rank 0: 5, rank 1: 5); "
             "capacity_overflow is 'fail'") in str(raised.value)
     # Within capacity, `fail` runs as `drop` does.
-    block = _ep_block(mesh, "fused", Capacity(tokens=5, overflow="fail"), torch.float32, ROUTES["skewed"], rank,
+    block = ep_block(mesh, "fused", Capacity(tokens=5, overflow="fail"), torch.float32, ROUTES["skewed"], rank,
                       world)
-    block(x_all[rank * TOKENS:(rank + 1) * TOKENS].unsqueeze(0))
+    block(x_all[rank * TOKENS_PER_RANK:(rank + 1) * TOKENS_PER_RANK].unsqueeze(0))
 
 
 def test_fail_raises_on_every_rank_naming_layer_expert_and_counts():
@@ -166,7 +146,7 @@ def _empty_rank_fn(rank, world):
     weights = torch.full((tokens, 2), 0.5, dtype=torch.float64)
     results = []
     for capacity in (None, Capacity(tokens=3)):
-        block = _ep_block(mesh, "fused", capacity, torch.float64)
+        block = ep_block(mesh, "fused", capacity, torch.float64)
         xi = x.clone().requires_grad_(True)
         out = block.experts(xi, index, weights)
         out.sum().backward()
@@ -183,17 +163,17 @@ def _no_sync_rank_fn(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    x_all, cotangent = _data(world, torch.float32)
-    rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    x_all, cotangent = block_data(world, torch.float32)
+    rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     for dispatcher in ("eager", "fused"):
-        block = _ep_block(mesh, dispatcher, Capacity(factor=1.0), torch.float32)
+        block = ep_block(mesh, dispatcher, Capacity(factor=1.0), torch.float32)
         with no_host_sync():
-            _step(block, x_all[rows], cotangent[rows])
+            ep_step(block, x_all[rows], cotangent[rows])
     # The detector has teeth: the dropless dispatch reads the split sizes on the host.
-    block = _ep_block(mesh, "fused", None, torch.float32)
+    block = ep_block(mesh, "fused", None, torch.float32)
     with pytest.raises(HostSync, match="tolist"):
         with no_host_sync():
-            _step(block, x_all[rows], cotangent[rows])
+            ep_step(block, x_all[rows], cotangent[rows])
     dist.barrier()  # the other rank stopped at the same host read: no collective is left half done
 
 

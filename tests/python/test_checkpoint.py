@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import SEQ, build_model, full, train_config
+from models import SEQ, build_model, full, train_config
 
 GLOBAL_BATCH = 4
 STEPS, SAVE_AT = 4, 2

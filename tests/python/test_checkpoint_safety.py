@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
+from models import build_model
 
-from test_train import build_model
 
 
 def _model(value=None):

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from dist_util import run_ranks
 from fsdpturbo import parity
 from fsdpturbo.dispatch import Capacity
-from test_capacity import TOKENS, _ep_block, _step
-from test_ep import _data
+from models import batch, full, tiny_config, train_config
+from blocks import TOKENS_PER_RANK, block_data, ep_block, ep_step
 
 pytestmark = pytest.mark.parity  # also run on the other instruction sets (ctest parity_*)
 
@@ -41,23 +41,23 @@ def _blocks_rank_fn(rank, world, variants):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     for name in variants:
         dispatcher, capacity = VARIANTS[name]
-        eager = _ep_block(mesh, dispatcher, capacity, torch.float32)
-        eager64 = _ep_block(mesh, dispatcher, capacity, torch.float64)
-        compiled = torch.compile(_ep_block(mesh, dispatcher, capacity, torch.float32), fullgraph=capacity is not None)
+        eager = ep_block(mesh, dispatcher, capacity, torch.float32)
+        eager64 = ep_block(mesh, dispatcher, capacity, torch.float64)
+        compiled = torch.compile(ep_block(mesh, dispatcher, capacity, torch.float32), fullgraph=capacity is not None)
         for seed in (1, 2):  # a second batch routes differently: the dropless graphs take other split sizes
-            x_all, cotangent = _data(world, torch.float32, seed=seed)
+            x_all, cotangent = block_data(world, torch.float32, seed=seed)
             routes = []
             with parity.recording_routes(routes):
-                want = _step(eager, x_all[rows], cotangent[rows])
+                want = ep_step(eager, x_all[rows], cotangent[rows])
             with parity.float64_mode(replay=routes):
-                want64 = _step(eager64, x_all[rows], cotangent[rows])
-            parity.gate(want64, [want]).check_all(_step(compiled, x_all[rows], cotangent[rows]),
+                want64 = ep_step(eager64, x_all[rows], cotangent[rows])
+            parity.gate(want64, [want]).check_all(ep_step(compiled, x_all[rows], cotangent[rows]),
                                                   f"{name} batch {seed}")
-        explained = torch._dynamo.explain(_ep_block(mesh, dispatcher, capacity, torch.float32))(
-            _data(world, torch.float32)[0][rows].unsqueeze(0))
+        explained = torch._dynamo.explain(ep_block(mesh, dispatcher, capacity, torch.float32))(
+            block_data(world, torch.float32)[0][rows].unsqueeze(0))
         if capacity is None:
             assert explained.graph_break_count > 0 and _breaks(explained) == {HOST_READ}, _breaks(explained)
         else:
@@ -75,7 +75,6 @@ def _model_rank_fn(rank, world, capacity_factor):
     float64 from the compiled run's parameters: loss, every gradient and the parameters after
     the step (the references step with the compiled run's gradients). The capacity factor
     leaves room for every slot, so the one-process model is the reference in both modes."""
-    from test_train import batch, full, tiny_config, train_config
     from transformers import Qwen3MoeForCausalLM
 
     from fsdpturbo.engine import shard_model

@@ -12,7 +12,7 @@ import fsdpturbo
 from dist_util import run_ranks
 from fsdpturbo.dispatch import Capacity
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
-from test_ep import _block, _override_router, one_process_gates
+from blocks import moe_block, one_process_gates, override_router
 
 pytestmark = pytest.mark.parity  # also run on the other instruction sets (ctest parity_*)
 
@@ -80,9 +80,9 @@ def _route(case, rank, tokens):
 
 
 def _ep_block(plan_kwargs, dtype, case, rank, mesh):
-    block = _block(NUM_EXPERTS, TOP_K, dtype)
+    block = moe_block(NUM_EXPERTS, TOP_K, dtype)
     if CASES[case][1] is not None:
-        _override_router(block, lambda tokens: _route(case, rank, tokens))
+        override_router(block, lambda tokens: _route(case, rank, tokens))
     expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], **plan_kwargs))
     return block
 

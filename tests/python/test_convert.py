@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_train import build_model
 
 from fsdpturbo import convert, load_checkpoint
 from fsdpturbo.weights import checkpoint_files
+from models import build_model
 
 
 def _tensors(directory):

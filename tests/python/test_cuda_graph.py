@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from fsdpturbo.dispatch import Capacity
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
-from test_ep import _block
+from blocks import moe_block
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,7 +37,7 @@ def ep_mesh():
 
 
 def _ep_block(mesh, dispatcher, capacity=Capacity(factor=2.0)):
-    block = _block(8, 2, torch.float32).cuda()
+    block = moe_block(8, 2, torch.float32).cuda()
     return expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher,
                                                                 capacity=capacity))
 

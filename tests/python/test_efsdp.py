@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dist_util import run_ranks
-from test_ep import _block, _data, TOKENS_PER_RANK
-from test_train import full
+from models import full
+from blocks import TOKENS_PER_RANK, block_data, moe_block
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
@@ -51,11 +51,11 @@ def _check_layout(rank, world, cp, ep, efsdp, family):
     assert state.size("expert_cp") == cp
     from fsdpturbo.parity import Reference
 
-    x, cotangent = _data(world, torch.float32)
-    reference = Reference(_Layer(_block(8, 2, torch.float32, family=family)))
+    x, cotangent = block_data(world, torch.float32)
+    reference = Reference(_Layer(moe_block(8, 2, torch.float32, family=family)))
     gate = reference.step(lambda model, order: _loss(model, x[order], cotangent[order]).backward(), rows=len(x))
 
-    layer = _Layer(_block(8, 2, torch.float32, family=family))
+    layer = _Layer(moe_block(8, 2, torch.float32, family=family))
     plan = EPPlanConfig(apply_modules=["mlp.experts"], dispatcher="eager", apply_efsdp_modules=["mlp"])
     expert_parallelize_modules(layer, state.sub_mesh("ep"), plan)
     assert expert_fully_shard_modules(layer, state.sub_mesh("efsdp"), plan, FSDPPlanConfig(apply_modules={})) is layer
@@ -78,7 +78,7 @@ def test_expert_and_router_gradients_are_reduced_over_every_replica():
 
 
 def _model_with_experts():
-    return _Layer(_block(4, 2, torch.float32))
+    return _Layer(moe_block(4, 2, torch.float32))
 
 
 def test_seed_errors_before_any_mesh_is_used():

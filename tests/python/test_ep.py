@@ -7,109 +7,29 @@ import torch.distributed as dist
 import fsdpturbo
 from dist_util import run_ranks
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
+from blocks import ROUTES, TOKENS_PER_RANK, block_data, moe_block, override_router
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
 
-TOKENS_PER_RANK = 5
-
-
-def _block(num_experts, top_k, dtype, seed=0, family="qwen3_moe"):
-    torch.manual_seed(seed)
-    if family == "qwen3_5_moe":  # with a shared expert and its gate, which stay local
-        from transformers import Qwen3_5MoeTextConfig
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
-
-        config = Qwen3_5MoeTextConfig(hidden_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=12,
-                                      num_experts=num_experts, num_experts_per_tok=top_k)
-    else:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
-
-        config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=num_experts,
-                                num_experts_per_tok=top_k, norm_topk_prob=True)
-    config._experts_implementation = "eager"  # HF's per-expert loop: the plainest reference
-    block = Block(config).to(dtype)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
-    return block
-
-
-def _data(world, dtype, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(world * TOKENS_PER_RANK, 16, generator=g, dtype=torch.float64).to(dtype)
-    cotangent = torch.randn(world * TOKENS_PER_RANK, 16, generator=g, dtype=torch.float64).to(dtype)
-    return x, cotangent
-
-
 def _reference(num_experts, top_k, dtype, world, route_override, family):
-    block = _block(num_experts, top_k, dtype, family=family)
-    x, cotangent = _data(world, dtype)
+    block = moe_block(num_experts, top_k, dtype, family=family)
+    x, cotangent = block_data(world, dtype)
     x.requires_grad_(True)
     if route_override is not None:
-        _override_router(block, route_override)
+        override_router(block, route_override)
     out = block(x.unsqueeze(0)).squeeze(0)
     (out * cotangent).sum().backward()
     return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
-
-
-def _override_router(block, index_fn):
-    """Replaces the router's choice by `index_fn(tokens)` (forced routes for edge cases),
-    keeping differentiable weights from the router's probabilities."""
-    gate = block.gate
-    original = gate.forward
-
-    def forward(hidden):
-        logits, _, _ = original(hidden)
-        index = index_fn(hidden.size(0)).to(hidden.device)
-        probs = torch.softmax(logits.float(), -1).to(logits.dtype)
-        return logits, probs.gather(1, index), index
-
-    gate.forward = forward
-
-
-def one_process_gates(dtype, inputs, routes, rank, seed=0):
-    """The parity gates (fsdpturbo.parity: the block in one process in `dtype` and in float64) of
-    an EP block (_block(8, 2), forced `routes` per rank or None) that ran on every rank's
-    (x, cotangent) of `inputs` with the loss Σ out · cotangent: on this rank's tokens for its
-    output, input gradient and the router's gradient (a router sees its own rank's tokens
-    only), and on every rank's tokens together for the experts' gradients, of the mean over the
-    ranks' losses (EP divides the experts' gradients by the world size)."""
-    from fsdpturbo.parity import Reference
-
-    def gate(ranks, divide):
-        x = torch.cat([inputs[r][0] for r in ranks])
-        cotangent = torch.cat([inputs[r][1] for r in ranks])
-        block = _block(8, 2, dtype, seed=seed)
-        rows_of = {}
-        if routes[rank] is not None:
-            ids = torch.cat([routes[r] for r in ranks])
-            _override_router(block, lambda tokens: ids[rows_of["order"]])
-
-        def step_fn(model, order):
-            rows_of["order"] = order
-            rows = x[order].clone().requires_grad_(True)
-            out = model(rows.unsqueeze(0)).squeeze(0)
-            loss = (out * cotangent[order]).sum() / divide
-            if loss.requires_grad:  # not on a rank without tokens (Hugging Face's block returns zeros)
-                loss.backward()
-            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            back = torch.argsort(order)  # the outputs in the rows' own order
-            return {"output": out.detach()[back], "input grad": grad[back]}
-
-        return Reference(block, dtype=dtype).step(step_fn, rows=len(x))
-
-    return gate([rank], 1), gate(range(len(inputs)), len(inputs))
 
 
 def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, route_name, family="qwen3_moe"):
     dtype = getattr(torch, dtype_name)
     route_override = ROUTES[route_name]
     ref_out, ref_xgrad, ref_grads = _reference(num_experts, top_k, dtype, world, route_override, family)
-    block = _block(num_experts, top_k, dtype, family=family)
+    block = moe_block(num_experts, top_k, dtype, family=family)
     if route_override is not None:
-        _override_router(block, lambda t: route_override(world * TOKENS_PER_RANK)[rank * t:(rank + 1) * t])
+        override_router(block, lambda t: route_override(world * TOKENS_PER_RANK)[rank * t:(rank + 1) * t])
     if world == 1:
         # One process, every expert local (the fused dispatcher skips the local reorder).
         ep_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
@@ -119,7 +39,7 @@ def _ep_rank_fn(rank, world, ep, dispatcher, num_experts, top_k, dtype_name, rou
     expert_parallelize_modules(block, ep_mesh, plan)
     _check_ep_state(block, num_experts, ep, ep_mesh.get_local_rank())
 
-    x_all, cotangent = _data(world, dtype)
+    x_all, cotangent = block_data(world, dtype)
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     x = x_all[rows].clone().requires_grad_(True)
     out = block(x.unsqueeze(0)).squeeze(0)
@@ -163,15 +83,6 @@ def _check_ep_state(block, num_experts, ep, ep_rank):
         experts.num_local_experts = 1
 
 
-ROUTES = {
-    "router": None,
-    # Every token to experts 0 and 1: the other experts, and ranks holding them, receive nothing.
-    "skewed": lambda t: torch.tensor([[0, 1]] * t),
-    # Duplicate ids within one token's top-k.
-    "duplicates": lambda t: torch.tensor([[i % 4, i % 4] for i in range(t)]),
-}
-
-
 @pytest.mark.parametrize("world,ep", [(1, 1), (2, 2), (4, 2), (4, 4), (6, 2), (8, 4)])
 @pytest.mark.parametrize("dispatcher", ["eager", "fused", "domino"])
 def test_ep_block_equals_single_process_f64(world, ep, dispatcher):
@@ -198,7 +109,7 @@ def test_f32_within_tolerance():
 
 
 def _bad_ids_rank_fn(rank, world):
-    block = _block(4, 2, torch.float64)
+    block = moe_block(4, 2, torch.float64)
     state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
     expert_parallelize_modules(block, state.sub_mesh("ep"), EPPlanConfig(apply_modules=["experts"], dispatcher="eager"))
     x = torch.randn(3, 16, dtype=torch.float64)
@@ -219,8 +130,8 @@ def test_out_of_range_ids_fail_on_every_rank_without_hanging():
 
 def _zero_tokens_rank_fn(rank, world):
     """Rank 0 has no tokens at all; rank 1 routes everything to rank 0's experts."""
-    block = _block(4, 2, torch.float64)
-    reference = _block(4, 2, torch.float64)
+    block = moe_block(4, 2, torch.float64)
+    reference = moe_block(4, 2, torch.float64)
     state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
     expert_parallelize_modules(block, state.sub_mesh("ep"), EPPlanConfig(apply_modules=["experts"], dispatcher="domino"))
     tokens = 0 if rank == 0 else 3
@@ -249,8 +160,8 @@ def _user_dispatcher(ep_group, module, hidden_states, top_k_index, top_k_weights
 
 
 def _callable_rank_fn(rank, world):
-    block = _block(4, 2, torch.float64)
-    reference = _block(4, 2, torch.float64)
+    block = moe_block(4, 2, torch.float64)
+    reference = moe_block(4, 2, torch.float64)
     state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
     expert_parallelize_modules(block, state.sub_mesh("ep"),
                                EPPlanConfig(apply_modules=["experts"], dispatcher=_user_dispatcher))
@@ -286,12 +197,12 @@ def _compile_rank_fn(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    x_all, cotangent = _data(world, torch.float64)
+    x_all, cotangent = block_data(world, torch.float64)
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     for dispatcher in ("eager", "fused", "domino"):
         results = []
         for compiled in (False, True):
-            block = _block(8, 2, torch.float64)
+            block = moe_block(8, 2, torch.float64)
             expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher))
             run = torch.compile(block, backend="eager") if compiled else block
             x = x_all[rows].clone().requires_grad_(True)

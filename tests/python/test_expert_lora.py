@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import models
 from dist_util import run_ranks
+from models import build_model, full, layout_state, train_config
 
 pytestmark = [pytest.mark.parity]
 
@@ -19,11 +21,9 @@ EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def tiny_config(family):
-    """test_train's tiny config with moe_intermediate_size 12: no expert weight is square
+    """models.tiny_config with moe_intermediate_size 12: no expert weight is square
     ([E, 24, 16] and [E, 16, 12]), so a transposed factor cannot pass."""
-    from test_train import tiny_config as base_config
-
-    config = base_config(family)
+    config = models.tiny_config(family)
     config.moe_intermediate_size = 12
     return config
 
@@ -34,7 +34,6 @@ def build_peft_model(family="qwen3_moe", seed=0, adapter_seed=0, r=2, expert_tar
     (PEFT starts lora_B at zero, which would leave half the gradients zero)."""
     from peft import LoraConfig, get_peft_model
 
-    from test_train import build_model
 
     model = build_model(family, seed, tiny_config(family))
     config = LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=["q_proj", "v_proj"],
@@ -52,7 +51,6 @@ def peft_full(model, tensors):
     """Full tensors by the names of the sharded PEFT `model`, gathered, by the names and in the
     layout of the one-process PEFT model."""
     from fsdpturbo import expert_lora
-    from test_train import full
 
     return expert_lora.to_peft(model, {name: full(t) for name, t in tensors.items()})
 
@@ -106,12 +104,11 @@ def _train_rank_fn(rank, world, layouts):
     from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import Reference
 
-    from test_train import _layout_state, train_config
 
     for layout in layouts:
         family = layout.get("family", "qwen3_moe")
         where = f"{family} {layout}"
-        state = _layout_state(world, layout["ep"], layout.get("efsdp"), 1)
+        state = layout_state(world, layout["ep"], layout.get("efsdp"), 1)
         reference = Reference(build_peft_model(family), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
         model = build_peft_model(family)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -189,7 +186,6 @@ def logits_gate(one_process, ids, adapters=True):
 
 def _full_optimizer_state(model, optimizer):
     """{parameter name: {state key: full tensor}} of `optimizer` over `model`."""
-    from test_train import full
 
     return {name: {k: full(v) for k, v in optimizer.state[p].items()}
             for name, p in model.named_parameters() if p in optimizer.state}
@@ -210,11 +206,10 @@ def _adapters_rank_fn(rank, world, tmp):
 
     import fsdpturbo
     from fsdpturbo.engine import shard_model
-    from test_train import _layout_state, build_model, train_config
 
     adapter_dir, ckpt_dir, merged_dir = (os.path.join(tmp, d) for d in ("adapter", "ckpt", "merged"))
     ids = _micro_batches(0, world)[0]
-    model = shard_model(build_peft_model(), train_config(2, 2), state=_layout_state(world, 2, 2, 1))
+    model = shard_model(build_peft_model(), train_config(2, 2), state=layout_state(world, 2, 2, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
     optimizer.step()
@@ -236,7 +231,7 @@ def _adapters_rank_fn(rank, world, tmp):
     assert not any("lora" in name for name, _ in merged.named_parameters())
     gate.check("logits", _local_logits(merged, ids), "the merged checkpoint")
 
-    state = _layout_state(world, 4, None, 1)
+    state = layout_state(world, 4, None, 1)
     other = shard_model(build_peft_model(adapter_seed=1), train_config(4), state=state)
     fsdpturbo.load_lora_adapter(other, adapter_dir)
     loaded = peft_full(other, {n: p for n, p in other.named_parameters() if p.requires_grad})
@@ -354,14 +349,13 @@ def _compiled_rank_fn(rank, world):
     """The capacity-bounded dispatch with expert LoRA compiled whole (inductor): loss and every
     adapter gradient against the one-process PEFT model; no graph break but FSDP2's hooks."""
     from test_compile import FSDP_HOOKS, _breaks
-    from test_train import _layout_state, train_config
 
     from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import Reference
 
     reference = Reference(build_peft_model())
     model = shard_model(build_peft_model(), train_config(2, dispatcher="fused", capacity_factor=8.0),
-                        state=_layout_state(world, 2, None, 1))
+                        state=layout_state(world, 2, None, 1))
     ids = _micro_batches(0, world)[0]
     loss = torch.compile(model)(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1], use_cache=False).loss
     loss.backward()

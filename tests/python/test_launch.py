@@ -5,8 +5,8 @@ import pytest
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_ep import _block
-from test_train import build_model, train_config
+from models import build_model, train_config
+from blocks import moe_block
 
 pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
 
@@ -28,7 +28,7 @@ def _mismatch_rank_fn(rank, world):
     assert fsdpturbo.get_parallel_state() is None, "no meshes were built before the check"
     # The drop-in entry point: one rank's model has 16 experts instead of 8.
     state = fsdpturbo.ParallelState(world, ep_size=2).init_device_meshes("cpu")
-    block = _block(16 if rank == 1 else 8, 2, __import__("torch").float32)
+    block = moe_block(16 if rank == 1 else 8, 2, __import__("torch").float32)
     _expect_mismatch(lambda: expert_parallelize_modules(block, state.sub_mesh("ep"),
                                                         EPPlanConfig(apply_modules=["experts"], dispatcher="eager")),
                      "model structure", [1])

@@ -1,5 +1,5 @@
 """The LlamaFactory integration layer (`fsdpturbo.llamafactory`): the seed's own tests
-(reference §10.1) where they apply, constructors that touch no mesh, and the engine end to end
+where they apply, constructors that touch no mesh, and the engine end to end
 on gloo ranks against the single-process model and torch's clip_grad_norm_."""
 import types
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import SEQ, batch, build_model, full, positions, rank_loss
+from models import SEQ, batch, build_model, full, positions, rank_loss
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
@@ -62,10 +62,10 @@ def test_storage_dtype_is_set_inside_the_backend(monkeypatch):
     from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine
 
     monkeypatch.setattr(engine_module.FSDP2Engine, "shard_model", lambda self, model: model)
-    engine = object.__new__(FSDPTurboFSDP2Engine)
-    engine.mixed_precision = "bf16"
-    model = engine.shard_model(torch.nn.Linear(2, 2))
-    assert model.weight.dtype == torch.bfloat16
+    for bf16, dtype in [(True, torch.bfloat16), (False, torch.float32)]:
+        engine = FSDPTurboFSDP2Engine({"name": "fsdpturbo"}, bf16=bf16)
+        model = engine.shard_model(torch.nn.Linear(2, 2, dtype=torch.float64))
+        assert model.weight.dtype == dtype
 
 
 class _DataMesh:
@@ -84,9 +84,11 @@ class _DpMesh:
 
 @pytest.mark.parametrize("cp", [1, 2])
 def test_efsdp_gradient_divide_factor_and_call_time_lookups(monkeypatch, cp):
-    """The divide factor is dp · cp (the seed's test: 8 with ep 4 · efsdp 2 and cp 1)."""
+    """The divide factor is dp · cp, from the Rust plan on the parallel state's topology (the
+    seed's test: 8 with ep 4 · efsdp 2 and cp 1); the EP and EFSDP functions are looked up on
+    their fsdp_turbo modules when the engine runs; the outer FSDP2 ignores the experts."""
     from fsdp_turbo.distributed.expert_parallel import expert_fully_shard_parallel, expert_parallel
-    from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine
+    from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine, FSDPTurboParallelState
     from fsdpturbo.llamafactory import state as state_module
 
     calls = []
@@ -97,31 +99,29 @@ def test_efsdp_gradient_divide_factor_and_call_time_lookups(monkeypatch, cp):
             return model
         return fn
 
-    ep_mesh, efsdp_mesh = object(), object()
     monkeypatch.setattr(expert_parallel, "expert_parallelize_modules", record("ep"))
     monkeypatch.setattr(expert_fully_shard_parallel, "expert_fully_shard_modules", record("efsdp"))
-    monkeypatch.setattr(state_module, "get_fsdpturbo_parallel_state",
-                        lambda: types.SimpleNamespace(efsdp_size=2, ep_mesh=ep_mesh, efsdp_mesh=efsdp_mesh))
-    engine = object.__new__(FSDPTurboFSDP2Engine)
-    engine.dist_config = {"ep_dispatcher": "eager", "hook_modules": []}
-    engine.ep_size = 4
-    engine.ep_fsdp_size = 2
-    engine.fsdp_mesh = _DpMesh(8, cp)
-    model = _Model("qwen3_5_moe")
+    monkeypatch.setattr(state_module, "init_device_mesh", lambda **kwargs: _FakeMesh())
+    state = FSDPTurboParallelState().initialize(_Interface(8, cp, _FakeMesh()), {"name": "fsdpturbo", "ep_size": 4})
+    monkeypatch.setattr(state_module, "get_fsdpturbo_parallel_state", lambda: state)
+    engine = FSDPTurboFSDP2Engine({"name": "fsdpturbo", "ep_size": 4, "ep_dispatcher": "eager"}, dp_mesh=_DpMesh(8, cp))
+    model = build_model("qwen3_moe")
     returned, ignored = engine.prepare_model_ep(model)
-    assert returned is model and ignored == set()
+    assert returned is model
+    assert ignored == {p for name, p in model.named_parameters() if ".mlp.experts." in name}
     assert [c[0] for c in calls] == ["ep", "efsdp"]
-    assert calls[0][1] is ep_mesh and calls[1][1] is efsdp_mesh
+    assert calls[0][1] == ("sub", "ep") and calls[1][1] == ("sub", "efsdp")
     ep_plan, fsdp_plan = calls[1][2], calls[1][3]
-    assert ep_plan.gradient_divide_factor == 8.0 * cp
-    assert ep_plan.apply_efsdp_modules == ["model.language_model.layers.{*}.mlp"]
+    assert ep_plan.gradient_divide_factor == 8.0 * cp == engine.gradient_divide_factor()
+    assert ep_plan.apply_modules == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert ep_plan.apply_efsdp_modules == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert fsdp_plan.apply_modules == {} and fsdp_plan.fsdp_implementation == "native"
 
 
 def test_missing_spec_raises_also_with_ep_size_one():
     from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine
 
-    engine = FSDPTurboFSDP2Engine({"ep_size": 1}, bf16=False, dp_mesh=object())
+    engine = FSDPTurboFSDP2Engine({"name": "fsdpturbo", "ep_size": 1}, bf16=False, dp_mesh=object())
     with pytest.raises(ValueError, match="No FSDPTurbo EP spec is registered for model_type=llama."):
         engine.prepare_model_ep(_Model("llama"))
 
@@ -130,9 +130,14 @@ def test_constructors_touch_no_mesh_and_configs_are_mutable():
     from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPPlanConfig
     from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine, FSDPTurboParallelState
 
-    engine = FSDPTurboFSDP2Engine({"ep_size": 4, "ep_dispatcher": "fused"}, bf16=True, dist_interface=object(),
-                                  dp_mesh=object())
-    assert engine.mixed_precision == "bf16" and engine.ep_size == 4
+    engine = FSDPTurboFSDP2Engine({"name": "fsdpturbo", "ep_size": 4, "ep_dispatcher": "fused"}, bf16=True,
+                                  dist_interface=object(), dp_mesh=object())
+    assert engine.config.values["bf16"] and engine.config.values["dist"]["ep_size"] == 4
+    # The dict is validated by the Rust core when the engine is made.
+    with pytest.raises(ValueError, match=r"dist_config\.ep_size \(line 1\): ep_size must be positive, got 0\."):
+        FSDPTurboFSDP2Engine({"name": "fsdpturbo", "ep_size": 0})
+    with pytest.raises(ValueError, match=r"dist_config\.ep_dispatcher .*Unsupported dispatcher ring"):
+        FSDPTurboFSDP2Engine({"name": "fsdpturbo", "ep_dispatcher": "ring"})
     state = FSDPTurboParallelState()
     assert not state.initialized and state.ep_mesh is None and state.efsdp_size == 1
     plan = EPPlanConfig(apply_modules=["model.layers.{*}.mlp.experts"], dispatcher="eager",
@@ -175,16 +180,18 @@ def test_parallel_state_owns_the_expert_mesh(monkeypatch):
 
     monkeypatch.setattr(state_module, "init_device_mesh", init_device_mesh)
     state = FSDPTurboParallelState()
-    state.initialize(_Interface(16, 1, _FakeMesh()), {"ep_size": 8})
+    state.initialize(_Interface(16, 1, _FakeMesh()), {"name": "fsdpturbo", "ep_size": 8})
     assert calls == [((), {"device_type": "cpu", "mesh_shape": (1, 2, 8, 1),
                            "mesh_dim_names": ("edp", "efsdp", "ep", "expert_cp")})]
+    assert state.topology.mesh_shape("expert") == (1, 2, 8, 1) and state.topology.world_size == 16
     assert (state.ep_mesh, state.efsdp_mesh, state.expert_cp_mesh) == (("sub", "ep"), ("sub", "efsdp"),
                                                                        ("sub", "expert_cp"))
-    state.initialize(_Interface(16, 1, _FakeMesh()), {"ep_size": 8})
+    state.initialize(_Interface(16, 1, _FakeMesh()), {"name": "fsdpturbo", "ep_size": 8})
     assert len(calls) == 1
     with pytest.raises(RuntimeError, match=r"already initialized with \(16, 1, 8\), got \(16, 1, 4\)"):
-        state.initialize(_Interface(16, 1, _FakeMesh()), {"ep_size": 4})
-    replicated = FSDPTurboParallelState().initialize(_Interface(16, 1, _FakeMesh()), {"ep_size": 4, "efsdp_size": 2})
+        state.initialize(_Interface(16, 1, _FakeMesh()), {"name": "fsdpturbo", "ep_size": 4})
+    replicated = FSDPTurboParallelState().initialize(_Interface(16, 1, _FakeMesh()),
+                                                     {"name": "fsdpturbo", "ep_size": 4, "efsdp_size": 2})
     assert (replicated.edp_size, replicated.efsdp_size) == (2, 2)
     assert calls[-1][1]["mesh_shape"] == (2, 2, 4, 1)
 
@@ -193,11 +200,11 @@ def test_parallel_state_errors():
     from fsdpturbo.llamafactory import FSDPTurboParallelState, clip_grad_norm_
 
     with pytest.raises(ValueError, match="ep_size must be positive, got 0."):
-        FSDPTurboParallelState().initialize(_Interface(4, 1, _FakeMesh()), {"ep_size": 0})
+        FSDPTurboParallelState().initialize(_Interface(4, 1, _FakeMesh()), {"name": "fsdpturbo", "ep_size": 0})
     with pytest.raises(ValueError, match=r"dp_size must be divisible by ep_size, got 4 % 3 != 0."):
-        FSDPTurboParallelState().initialize(_Interface(4, 1, _FakeMesh()), {"ep_size": 3})
+        FSDPTurboParallelState().initialize(_Interface(4, 1, _FakeMesh()), {"name": "fsdpturbo", "ep_size": 3})
     with pytest.raises(RuntimeError, match="requires an initialized distributed device mesh"):
-        FSDPTurboParallelState().initialize(_Interface(4, 1, None), {"ep_size": 2})
+        FSDPTurboParallelState().initialize(_Interface(4, 1, None), {"name": "fsdpturbo", "ep_size": 2})
     with pytest.raises(RuntimeError, match="must be initialized before clipping gradients"):
         clip_grad_norm_(torch.nn.Linear(2, 2), 1.0)
 
@@ -243,8 +250,8 @@ def _engine_rank_fn(rank, world, ep, init, cp):
     else:
         model = build_model("qwen3_moe")
     ignored = ["model.norm"] if init == "default" else []
-    engine = FSDPTurboFSDP2Engine({"ep_size": ep, "ep_dispatcher": "eager", "fsdp_ignored_modules": ignored},
-                                  bf16=False, dist_interface=interface, weights=weights)
+    engine = FSDPTurboFSDP2Engine({"name": "fsdpturbo", "ep_size": ep, "ep_dispatcher": "eager",
+                                   "fsdp_ignored_modules": ignored}, bf16=False, dist_interface=interface, weights=weights)
     model = engine.shard_model(model)
     if cp > 1:
         ulysses.install(model, base.sub_mesh("cp").get_group())

@@ -1,4 +1,4 @@
-"""The MoE ops of the op library: the seed's worked example (reference §5.1) number for number,
+"""The MoE ops of the op library: the seed's worked example (P=2, E=4, K=2) number for number,
 opcheck for every op, gradcheck in f64, and clear errors; and the experts' SiLU gate, which must
 give autograd's own bits."""
 import pytest

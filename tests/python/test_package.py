@@ -20,6 +20,23 @@ def test_config_errors_are_value_errors_with_path_and_line():
     assert cfg["cp_size"] == 2 and cfg["dist"]["ep_size"] == 4 and cfg["dist"]["ep_dispatcher"] == "eager"
 
 
+def test_the_parsed_config_has_every_dist_config_key_also_without_a_dist_config():
+    """The dict Python receives holds every key of Rust's dist_config schema (the list its
+    unknown-key error names as accepted), with the defaults of a dist_config of only its name."""
+    import ast
+    import re
+
+    with pytest.raises(ValueError, match=r"Unknown params") as raised:
+        fsdpturbo.parse_train_config({"dist_config": {"name": "fsdpturbo", "no_such_key": 1}})
+    schema_keys = ast.literal_eval(re.search(r"Expected: (\[[^\]]*\])", str(raised.value)).group(1))
+    assert len(schema_keys) > 10 and "ep_size" in schema_keys
+    parsed = fsdpturbo.parse_train_config("model: m\n")
+    assert sorted(parsed["dist"]) == sorted(schema_keys)
+    assert parsed["dist"] == fsdpturbo.parse_train_config({"dist_config": {"name": "fsdpturbo"}})["dist"]
+    capacity = fsdpturbo.parse_train_config({"dist_config": {"name": "fsdpturbo", "expert_capacity": 8}})
+    assert capacity["dist"]["capacity_overflow"] == "drop"
+
+
 def test_module_name_match_is_the_seeds():
     assert fsdpturbo.module_name_match("model.layers.{0-3}.mlp", "model.layers.03.mlp")
     assert not fsdpturbo.module_name_match("model.layers.{*}", "model.layers.1.2")
@@ -44,6 +61,13 @@ def test_from_config_uses_the_yaml_topology():
     assert state.mesh_shape("expert") == (1, 2, 4, 2)
     assert state.group_ranks("expert", "ep", 3) == [1, 3, 5, 7]
     assert state.group_ranks("expert", ("efsdp", "ep"), 3) == [1, 3, 5, 7, 9, 11, 13, 15]
+    sizes = {"dp_size": 4, "cp_size": 2, "mp_replicate_size": 2, "mp_shard_size": 4,
+             "dist_config": {"name": "fsdpturbo", "ep_size": 2, "efsdp_size": 1}}
+    state = fsdpturbo.ParallelState.from_config(sizes, 8)
+    assert (state.mesh_shape("data"), state.mesh_shape("model"), state.mesh_shape("expert")) == \
+        ((4, 2), (2, 4), (2, 1, 2, 2))
+    with pytest.raises(ValueError, match=r"dp_size must be divisible by ep_size, got 16 % 3 != 0\."):
+        fsdpturbo.ParallelState.from_config({"dist_config": {"name": "fsdpturbo", "ep_size": 3}}, 16)
 
 
 

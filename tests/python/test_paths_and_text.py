@@ -11,8 +11,8 @@ import signal
 import pytest
 import torch
 from safetensors.torch import save_file
+from models import build_model
 
-from test_train import build_model
 
 
 @pytest.fixture

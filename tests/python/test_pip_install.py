@@ -16,6 +16,7 @@ def test_pip_install_from_torch_ext(tmp_path):
                    check=True, env=env, cwd=tmp_path)
     probe = ("import fsdpturbo, fsdpturbo.llamafactory, torch; "
              "import fsdp_turbo.distributed.expert_parallel.expert_fully_shard_parallel; "
+             "import fsdp_turbo.fsdp_turbo, fsdp_turbo.distributed.parallel_state, fsdp_turbo.training.clip_grads; "
              "assert fsdpturbo._native.LIB_PATH.parent.parent.parent == __import__('pathlib').Path(%r); "
              "x = torch.arange(10.); y = torch.empty(3); "
              "fsdpturbo.ops.copy_slice_(y, x, [4], [2], [0, 0, 0]); "

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import build_model, train_config
+from models import build_model, train_config
 
 FAST_S = 20.0  # far below the harness's process-group timeout (60 s): a rank left waiting would exceed it
 

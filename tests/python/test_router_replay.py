@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import SEQ, build_model, full, train_config
+from models import SEQ, build_model, full, train_config
 
 
 def _sharded(family, world):

@@ -18,10 +18,11 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dist_util import run_ranks
-from test_slicing import _torch_split_chain
 from fsdpturbo.placement import _triples
 from fsdpturbo.progress import Progress
 from fsdpturbo.weights import _Checkpoint, load_hf_weights
+from models import build_model, layout_state, train_config
+from tensor_checks import bits_equal, torch_split_chain
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool,
           torch.float8_e4m3fn]
@@ -30,10 +31,6 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bits(t):
     return t.contiguous().view(_BITS[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
-
-
-def _bits_equal(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 def _random_value(shape, dtype, g):
@@ -106,9 +103,9 @@ def test_read_plan_equals_torch_dtensor_slicing_on_random_cases(tmp_path):
             for coordinate in _coordinates(mesh_shape):
                 local = _read_local(checkpoint, name, shape, mesh_shape, coordinate, placements)
                 expected_shape, _ = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, placements)
-                expected = _torch_split_chain(tensors[name], mesh_shape, coordinate, placements)
+                expected = torch_split_chain(tensors[name], mesh_shape, coordinate, placements)
                 assert tuple(local.shape) == tuple(expected_shape) == tuple(expected.shape), (name, coordinate)
-                assert _bits_equal(local, expected), (name, shape, mesh_shape, coordinate, placements)
+                assert bits_equal(local, expected), (name, shape, mesh_shape, coordinate, placements)
                 sharded = [p.dim for p in placements if isinstance(p, (Shard, _StridedShard))]
                 seen["empty shard"] += any(local.shape[d] == 0 < shape[d] for d in sharded)
             seen["strided"] += any(isinstance(p, _StridedShard) and p.split_factor > 1 for p in placements)
@@ -148,8 +145,8 @@ def test_per_expert_plan_equals_the_stacked_tensor_slice(tmp_path):
                                           Replicate()]) for _ in range(mesh_ndim)]
                 for coordinate in _coordinates(mesh_shape):
                     local = _read_local(checkpoint, sources, full.shape, mesh_shape, coordinate, placements)
-                    expected = _torch_split_chain(full, mesh_shape, coordinate, placements)
-                    assert _bits_equal(local, expected), (leaf, mesh_shape, coordinate, placements)
+                    expected = torch_split_chain(full, mesh_shape, coordinate, placements)
+                    assert bits_equal(local, expected), (leaf, mesh_shape, coordinate, placements)
     finally:
         checkpoint.close()
 
@@ -288,7 +285,7 @@ def _distribute_rank_fn(rank, world, tmp):
         loaded = load_hf_weights(model, path)
         assert sorted(loaded) == sorted(expected)
         for name, param in model.named_parameters():
-            assert _bits_equal(param.to_local(), expected[name]), (dtype, name)
+            assert bits_equal(param.to_local(), expected[name]), (dtype, name)
 
 
 def test_loader_equals_distribute_tensor_on_4_ranks(tmp_path):
@@ -296,7 +293,6 @@ def test_loader_equals_distribute_tensor_on_4_ranks(tmp_path):
 
 
 def _hf_rank_fn(rank, world, family, tmp, layouts):
-    from test_train import _layout_state, build_model, train_config
 
     from fsdpturbo.engine import shard_model
     from fsdpturbo.weights import _full_read_reference, meta_parameters
@@ -314,7 +310,7 @@ def _hf_rank_fn(rank, world, family, tmp, layouts):
                 keys.update(h.keys())
     assert any(".experts.0.gate_proj.weight" in k for k in keys), "the checkpoint has the per-expert layout"
     for ep, efsdp in layouts:
-        state = _layout_state(world, ep, efsdp, 1)
+        state = layout_state(world, ep, efsdp, 1)
         with meta_parameters():
             new = build_model(family)
         new = shard_model(new, train_config(ep, efsdp), state=state, weights=source)  # shard-on-read
@@ -327,7 +323,7 @@ def _hf_rank_fn(rank, world, family, tmp, layouts):
             assert p.dtype == torch.float32
             a = p.to_local() if hasattr(p, "to_local") else p
             b = q.to_local() if hasattr(q, "to_local") else q
-            assert _bits_equal(a.detach(), b.detach()), f"{family} ep={ep} efsdp={efsdp}: {name} differs"
+            assert bits_equal(a.detach(), b.detach()), f"{family} ep={ep} efsdp={efsdp}: {name} differs"
             placements.add(str(getattr(p, "placements", None)))
         assert any("Shard" in s for s in placements), placements
         dist.barrier()

@@ -18,6 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import fsdpturbo
 from fsdpturbo.placement import _index_assign, _index_slice, _triples
 from dist_util import run_ranks
+from tensor_checks import bits_equal, torch_split_chain
 
 ops = torch.ops.fsdpturbo
 
@@ -44,29 +45,6 @@ def _random_case(rng):
         else:
             placements.append(Partial())
     return shape, mesh_shape, [rng.randrange(m) for m in mesh_shape], placements
-
-
-def _torch_split_chain(full, mesh_shape, coordinate, placements):
-    """torch's own shard splitting (`Placement._split_tensor`, what distribute_tensor runs
-    without communication), applied in mesh-dim order."""
-    local = full
-    for k, p in enumerate(placements):
-        if isinstance(p, (Shard, _StridedShard)):
-            shards, _ = p._split_tensor(local, mesh_shape[k], with_padding=False)
-            local = shards[coordinate[k]]
-    return local
-
-
-_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
-           torch.float16: torch.int16}
-
-
-def _bits_equal(a, b):
-    """Same shape, dtype and bits (NaN payloads and -0.0 included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = _INT_OF.get(a.dtype)
-    return torch.equal(a.view(view), b.view(view)) if view else torch.equal(a, b)
 
 
 def _full_value(shape, seed, dtype=torch.float32):
@@ -126,7 +104,7 @@ def _seed_outcome(param, full, reference, strided_is_shard):
         _seed_copy_weights(param, full, strided_is_shard)
     except RuntimeError:
         return "raises"
-    return "same" if _bits_equal(param.to_local(), reference) else "differs"
+    return "same" if bits_equal(param.to_local(), reference) else "differs"
 
 
 def _all_ranks(flag):
@@ -184,7 +162,7 @@ def test_copy_plan_elements_equal_torchs_split_and_the_index_path():
         shape, mesh_shape, coordinate, placements = _random_case(rng)
         placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
         full = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
-        expected = _torch_split_chain(full, mesh_shape, coordinate, placements)
+        expected = torch_split_chain(full, mesh_shape, coordinate, placements)
         triples = _triples(placements, len(shape), "test")
         local = torch.full(expected.shape, -1, dtype=torch.int64)
         ops.copy_slice_(local, full, mesh_shape, coordinate, triples)
@@ -242,7 +220,7 @@ def test_errors_name_what_was_wrong():
         fsdpturbo.copy_weights_(param, [[1.0] * 4] * 3)
     full = _full_value((3, 4), 1)
     assert fsdpturbo.copy_weights_(param, full) is param
-    assert _bits_equal(param.detach(), full.to(torch.bfloat16)) and param.requires_grad
+    assert bits_equal(param.detach(), full.to(torch.bfloat16)) and param.requires_grad
 
 
 # ------------------------------------------------------------------------------------------
@@ -265,14 +243,14 @@ def _check_case(mesh, shape, placements, seed, dtype=torch.float32, load_dtype=N
     with torch.no_grad():
         param.to_local().fill_(7.0)  # a sentinel where "uninitialised" would show
     fsdpturbo.copy_weights_(param, full)
-    assert _bits_equal(param.to_local(), reference), (shape, placements, mesh)
+    assert bits_equal(param.to_local(), reference), (shape, placements, mesh)
     assert param.requires_grad and param.to_local().shape == reference.shape
     expected_full = full.to(dtype)
-    assert _bits_equal(fsdpturbo.gather_full(param), expected_full), (shape, placements)
-    assert _bits_equal(fsdpturbo.gather_full(param.to_local(), mesh=mesh, placements=placements,
+    assert bits_equal(fsdpturbo.gather_full(param), expected_full), (shape, placements)
+    assert bits_equal(fsdpturbo.gather_full(param.to_local(), mesh=mesh, placements=placements,
                                              global_shape=shape), expected_full)
     if monotone:
-        assert _bits_equal(param.full_tensor(), expected_full), (shape, placements, mesh)
+        assert bits_equal(param.full_tensor(), expected_full), (shape, placements, mesh)
     if seed_table is not None:
         seed_table[(tuple(shape), tuple(str(p) for p in placements))] = _seed_outcome(
             param, full, reference, strided_is_shard=True)
@@ -344,8 +322,8 @@ def _not_in_mesh_and_padding(rank, world):
     param = nn.Parameter(distribute_tensor(torch.zeros(5, 3), half, [Shard(0)]))
     fsdpturbo.copy_weights_(param, full)
     if rank < 2:
-        assert _bits_equal(param.to_local(), full[3 * rank: 3 * rank + 3 - rank])
-        assert _bits_equal(fsdpturbo.gather_full(param), full)
+        assert bits_equal(param.to_local(), full[3 * rank: 3 * rank + 3 - rank])
+        assert bits_equal(fsdpturbo.gather_full(param), full)
     else:
         assert half.get_coordinate() is None and param.to_local().numel() == 0
         with pytest.raises(ValueError, match=r"this rank is not in the mesh"):
@@ -362,7 +340,7 @@ def _not_in_mesh_and_padding(rank, world):
     fsdpturbo.copy_weights_(padded, full)
     local = padded.to_local()
     _, offset = fsdpturbo.local_shape_and_offset(shape, (world,), (rank,), [Shard(0)])
-    assert _bits_equal(local[: exact[0], :4], full[offset[0]: offset[0] + exact[0]])
+    assert bits_equal(local[: exact[0], :4], full[offset[0]: offset[0] + exact[0]])
     assert torch.count_nonzero(local[exact[0]:]) == 0 and torch.count_nonzero(local[:, 4:]) == 0
 
     partial = nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [Partial()]))
@@ -431,13 +409,13 @@ def _expert_params(rank, world, ep, experts):
         assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("efsdp", "ep")
         assert tuple(param.placements) == EXPECTED_EXPERT_PLACEMENTS[name](ep), (name, param.placements)
         torch_local = param.to_local().detach().clone()  # the shard FSDP2 itself made
-        assert _bits_equal(param.full_tensor(), full)
+        assert bits_equal(param.full_tensor(), full)
         with torch.no_grad():
             param.to_local().fill_(7.0)
         fsdpturbo.copy_weights_(param, full)
-        assert _bits_equal(param.to_local(), torch_local), name
+        assert bits_equal(param.to_local(), torch_local), name
         if not any(isinstance(p, _StridedShard) for p in param.placements):
-            assert _bits_equal(distribute_tensor(full, param.device_mesh, param.placements).to_local(), torch_local)
+            assert bits_equal(distribute_tensor(full, param.device_mesh, param.placements).to_local(), torch_local)
         else:
             # torch 2.15's distribute_tensor raises AssertionError for an uneven _StridedShard (the
             # bias here); the oracle is then FSDP2's own shard and full_tensor() above.
@@ -445,8 +423,8 @@ def _expert_params(rank, world, ep, experts):
                 distributed = distribute_tensor(full, param.device_mesh, param.placements).to_local()
             except AssertionError:
                 distributed = None
-            assert distributed is None or _bits_equal(distributed, torch_local)
-        assert _bits_equal(fsdpturbo.gather_full(param), full), name
+            assert distributed is None or bits_equal(distributed, torch_local)
+        assert bits_equal(fsdpturbo.gather_full(param), full), name
         outcomes[name] = (_seed_outcome(param, full, torch_local, strided_is_shard=True),
                           _seed_outcome(param, full, torch_local, strided_is_shard=False))
         fsdpturbo.copy_weights_(param, full)
@@ -454,7 +432,7 @@ def _expert_params(rank, world, ep, experts):
     module.unshard()
     for name, param in module.named_parameters():
         block = fulls[name][ep_rank * local_experts: (ep_rank + 1) * local_experts]
-        assert _bits_equal(param.to_local(), block), name
+        assert bits_equal(param.to_local(), block), name
     module.reshard()
     # The bias's shard on this layout is uneven and, where efsdp > experts/ep, empty.
     bias_sizes = [fsdpturbo.local_shape_and_offset((experts,), (efsdp, ep), (i, 0),

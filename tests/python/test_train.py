@@ -2,117 +2,17 @@
 through the test-level Ulysses of `ulysses`) on gloo ranks against the same Hugging Face model
 trained in one process on the whole global batch: losses, gathered gradients, grad norms and
 parameters over 3 AdamW steps, element by element within the error model of
-`fsdpturbo.parity`, in float32 and in bf16 (DESIGN §4.1)."""
+`fsdpturbo.parity`, in float32 and in bf16 (docs/design.md §4.1)."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
+from models import LR, SEQ, STEPS, batch, build_model, full, layout_state, loss_and_norm_step, positions, rank_loss, train_config
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)
 pytestmark = [pytest.mark.transformers_5_8, pytest.mark.parity]
 
-SEQ = 6
-STEPS = 3
-LR = 1e-3  # AdamW normalises each element: near-zero gradients turn tiny rounding differences into lr-sized steps
-
-
-def tiny_config(family):
-    """A tiny config of `family` built in code (nothing downloaded)."""
-    if family == "qwen3_5_moe":
-        from transformers import Qwen3_5MoeTextConfig
-
-        config = Qwen3_5MoeTextConfig(
-            vocab_size=64, hidden_size=16, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=2,
-            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=2,
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12,
-            tie_word_embeddings=False)
-    else:
-        from transformers import Qwen3MoeConfig
-
-        config = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
-    return config
-
-
-def build_model(family, seed=0, config=None):
-    """The Hugging Face causal LM of `family` (its `tiny_config` unless `config` is given),
-    initialised from `seed` (the same on every rank). The text-only Qwen3.5 model's type is
-    qwen3_5_moe_text, a built-in spec."""
-    torch.manual_seed(seed)
-    if family == "qwen3_5_moe":
-        from transformers import Qwen3_5MoeForCausalLM as Model
-    else:
-        from transformers import Qwen3MoeForCausalLM as Model
-    return Model(config or tiny_config(family))
-
-
-def batch(step, world):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 64, (world, SEQ), generator=g)
-
-
-def train_config(ep, efsdp=None, cp=1, bf16=False, ignored=(), dispatcher="eager", capacity_factor=None):
-    dist_config = {"name": "fsdpturbo", "ep_size": ep, "ep_dispatcher": dispatcher,
-                   "fsdp_ignored_modules": list(ignored)}
-    if efsdp is not None:
-        dist_config["efsdp_size"] = efsdp
-    if capacity_factor is not None:
-        dist_config["capacity_factor"] = capacity_factor
-    return {"bf16": bf16, "cp_size": cp, "dist_config": dist_config}
-
-
-def full(t):
-    from torch.distributed.tensor import DTensor
-
-    from fsdpturbo import gather_full
-
-    return gather_full(t) if isinstance(t, DTensor) else t.detach()
-
-
-def _layout_state(world, ep, efsdp, cp):
-    import fsdpturbo
-
-    return fsdpturbo.ParallelState(world, cp_size=cp, ep_size=ep, efsdp_size=efsdp).init_device_meshes("cpu")
-
-
-def positions(family, rows, length):
-    """Position ids of `rows` sequences of `length` tokens: for Qwen3.5 multi-axis mRoPE ids
-    [3, rows, length] whose temporal, height and width axes differ (as over an image's tokens),
-    else the plain [rows, length]."""
-    t = torch.arange(length)
-    ids = torch.stack([t, t // 2, t % 3]) if family == "qwen3_5_moe" else t[None]
-    return ids[:, None].expand(-1, rows, -1).squeeze(0)
-
-
-def loss_and_norm_step(ids, position_ids=None):
-    """The one-process reference's step on the batch `ids` (and `position_ids`, whose last dim
-    is the sequence): forward and backward, returning the loss and the gradients' total norm
-    (gradients left unclipped)."""
-
-    def step_fn(model, order):
-        kwargs = {} if position_ids is None else {"position_ids": position_ids}  # the same for every row
-        loss = model(input_ids=ids[order], labels=ids[order], **kwargs).loss
-        loss.backward()
-        return {"loss": loss, "grad norm": torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])}
-
-    return step_fn
-
-
-def rank_loss(model, state, family, ids):
-    """The rank's loss on the global batch `ids` [dp, cp · SEQ]: its data-parallel rank's
-    sequence, split over its CP group (Ulysses, `ulysses`) when cp > 1."""
-    import ulysses
-
-    row = ids[state.sub_mesh("dp").get_local_rank()][None]
-    if state.cp_size == 1:
-        return model(input_ids=row, labels=row).loss
-    group = state.sub_mesh("cp").get_group()
-    position_ids = ulysses.chunk(positions(family, 1, row.shape[1]), group)
-    logits = model(input_ids=ulysses.chunk(row, group), position_ids=position_ids).logits
-    return ulysses.causal_lm_loss(logits, ulysses.shifted_labels(row), group)
 
 
 def _train_rank_fn(rank, world, family, layouts):
@@ -131,7 +31,7 @@ def _train_rank_fn(rank, world, family, layouts):
     for layout in layouts:
         where = f"{family} {layout}"
         ep, efsdp, cp, ignored = layout["ep"], layout.get("efsdp"), layout.get("cp", 1), layout.get("ignored", ())
-        state = _layout_state(world, ep, efsdp, cp)
+        state = layout_state(world, ep, efsdp, cp)
         assert state.world_size == world
         reference = Reference(build_model(family), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
         config = train_config(ep, efsdp, cp, ignored=ignored, dispatcher=layout.get("dispatcher", "eager"),
@@ -197,7 +97,7 @@ def _no_view_output_rank_fn(rank, world):
     x = torch.randn(1, 3, 16, generator=g)
     index, weights = torch.tensor([[0, 5], [2, 7], [1, 1]]), torch.rand(3, 2, generator=g)
     for dispatcher in ("eager", "fused"):  # every dispatcher returns through the pipeline's `shaped_like`
-        state = _layout_state(world, 2, 2, 1)
+        state = layout_state(world, 2, 2, 1)
         model = shard_model(build_model("qwen3_moe"), train_config(2, 2, dispatcher=dispatcher), state=state)
         experts = model.model.layers[0].mlp.experts
         with warnings.catch_warnings():
@@ -247,7 +147,7 @@ def _bf16_rank_fn(rank, world):
     from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import ParityError, Reference
 
-    state = _layout_state(world, 2, None, 1)
+    state = layout_state(world, 2, None, 1)
     reference = Reference(build_model("qwen3_moe"), optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
                           dtype=torch.bfloat16)
     model = shard_model(build_model("qwen3_moe"), train_config(2, bf16=True), state=state)
@@ -289,14 +189,8 @@ def _faulty_step(rank, world, fault):
     from fsdpturbo import engine, parity
     from fsdpturbo.efsdp import configure_gradient_reduction
 
-    state = _layout_state(world, 2, 2, 1)
-    original = engine._reduce_hook
-    if fault == "missing reduction":  # the whole parameters' gradients are divided but never summed
-        engine._reduce_hook = lambda grad, factor: grad / factor
-    try:
-        model = shard_model_for_faults(state)
-    finally:
-        engine._reduce_hook = original
+    state = layout_state(world, 2, 2, 1)
+    model = shard_model_for_faults(state)
     layers = list(model.model.layers)
     if fault == "doubled expert gradient":
         for layer in layers:
@@ -308,7 +202,13 @@ def _faulty_step(rank, world, fault):
     reference = parity.Reference(build_model("qwen3_moe"))
     reference.load({name: full(param) for name, param in model.named_parameters()})
     ids = batch(0, world)
-    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    original = engine._reduce_hook
+    if fault == "missing reduction":  # the whole parameters' gradients are divided but never summed
+        engine._reduce_hook = lambda grad, factor: grad / factor
+    try:
+        model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    finally:
+        engine._reduce_hook = original
     gate = reference.step(loss_and_norm_step(ids), rows=world)
     return {f"grad {name}": full(param.grad) for name, param in model.named_parameters()}, gate
 
@@ -349,3 +249,29 @@ def test_parity_gate_rejects_a_missing_reduction_a_doubled_expert_gradient_and_a
     parameters divided by ep instead of the world size) are each rejected on exactly the
     gradients they make wrong, and the same run without a fault passes."""
     run_ranks(_faults_rank_fn, 4, timeout=300)
+
+
+def _meta_ignored_rank_fn(rank, world, weights):
+    """Parameters kept whole (`fsdp_ignored_modules`) of a model built on meta and loaded from
+    `weights`: their gradients are summed over the ranks as on a real model (materialising
+    replaces the parameter objects after sharding), so every gradient equals one process."""
+    import fsdpturbo
+    from fsdpturbo.engine import shard_model
+    from fsdpturbo.parity import Reference
+
+    reference = Reference(build_model("qwen3_moe"))
+    if rank == 0:
+        reference.model.save_pretrained(weights)
+    dist.barrier()
+    with fsdpturbo.meta_parameters():
+        model = build_model("qwen3_moe")
+    config = train_config(2, 2, ignored=[n.removesuffix(".weight") for n in IGNORED])
+    model = shard_model(model, config, weights=weights, state=layout_state(world, 2, 2, 1))
+    ids = batch(0, world)
+    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    gate = reference.step(loss_and_norm_step(ids), rows=world)
+    gate.check_all({f"grad {name}": full(param.grad) for name, param in model.named_parameters()}, "meta")
+
+
+def test_parameters_kept_whole_of_a_meta_model_reduce_their_gradients(tmp_path):
+    run_ranks(_meta_ignored_rank_fn, 4, str(tmp_path / "weights"), timeout=300)

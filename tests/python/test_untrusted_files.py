@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 import torch
+from models import build_model
 
-from test_train import build_model
 
 
 class Payload:

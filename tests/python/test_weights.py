@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from test_train import _layout_state, build_model, train_config
+from models import build_model, layout_state, train_config
 
 pytestmark = pytest.mark.transformers_5_8  # also run against LlamaFactory's transformers
 
@@ -43,7 +43,7 @@ def _weights_rank_fn(rank, world, family, tmp, layouts):
         reference.save_pretrained(source)
     dist.barrier()
     for ep, efsdp in layouts:
-        state = _layout_state(world, ep, efsdp, 1)
+        state = layout_state(world, ep, efsdp, 1)
         for init in ("meta", "real"):
             where = f"{family} ep={ep} efsdp={efsdp} init={init}"
             if init == "meta":
@@ -89,7 +89,7 @@ def _missing_rank_fn(rank, world, tmp):
     dist.barrier()
     # One set of meshes for both failures: gloo cannot always make new groups right after a
     # rank raised out of a collective sequence (a torch/gloo limitation, "Broken pipe").
-    state = _layout_state(world, 2, None, 1)
+    state = layout_state(world, 2, None, 1)
     with meta_parameters():
         model = build_model("qwen3_moe")
     with pytest.raises(KeyError, match=r"holds no value for the parameters \['model.layers.1.mlp.gate.weight'\]"):

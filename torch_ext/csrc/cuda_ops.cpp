@@ -134,8 +134,8 @@ std::vector<uint64_t> host_counts(const at::Tensor& counts) {
 
 void run_cublas(int32_t kind, const at::Tensor& a, const at::Tensor& b, at::Tensor& c, const std::vector<uint64_t>& counts,
                 int64_t in_features, int64_t out_features, bool loop, const char* op) {
-  auto ws = workspace(fsdpturbo_cuda_grouped_matmul_workspace(counts.size()), a.device());
-  check(fsdpturbo_cuda_grouped_matmul(a.device().index(), current_stream(a.device()), dtype_code(a, op), kind,
+  auto ws = workspace(fsdpturbo_cuda_grouped_mm_workspace(counts.size()), a.device());
+  check(fsdpturbo_cuda_grouped_mm(a.device().index(), current_stream(a.device()), dtype_code(a, op), kind,
                                       a.const_data_ptr(), b.const_data_ptr(), c.mutable_data_ptr(), counts.data(),
                                       counts.size(), in_features, out_features, loop, ws.mutable_data_ptr(), ws.numel()),
         op);

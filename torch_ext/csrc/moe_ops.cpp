@@ -82,7 +82,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x, const at::Tensor& counts, const a
                     " but weight is ", weight.scalar_type());
   auto a = x.contiguous(), w = weight.contiguous(), c = counts_tensor(counts);
   auto y = at::empty({a.size(0), w.size(1)}, a.options());
-  check(fsdpturbo_grouped_matmul(dtype_code(a, "grouped_mm"), a.const_data_ptr(), bytes(a), u64(c), c.numel(), w.size(2),
+  check(fsdpturbo_grouped_mm(dtype_code(a, "grouped_mm"), a.const_data_ptr(), bytes(a), u64(c), c.numel(), w.size(2),
                                  w.size(1), w.const_data_ptr(), bytes(w), y.mutable_data_ptr(), bytes(y)),
         "fsdpturbo::grouped_mm");
   return y;
@@ -91,7 +91,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& x, const at::Tensor& counts, const a
 at::Tensor grouped_mm_grad_input_cpu(const at::Tensor& grad_y, const at::Tensor& counts, const at::Tensor& weight) {
   auto g = grad_y.contiguous(), w = weight.contiguous(), c = counts_tensor(counts);
   auto grad_x = at::empty({g.size(0), w.size(2)}, g.options());
-  check(fsdpturbo_grouped_matmul_grad_input(dtype_code(g, "grouped_mm"), g.const_data_ptr(), bytes(g), u64(c), c.numel(),
+  check(fsdpturbo_grouped_mm_grad_input(dtype_code(g, "grouped_mm"), g.const_data_ptr(), bytes(g), u64(c), c.numel(),
                                             w.size(2), w.size(1), w.const_data_ptr(), bytes(w),
                                             grad_x.mutable_data_ptr(), bytes(grad_x)),
         "fsdpturbo::grouped_mm_grad_input");
@@ -101,7 +101,7 @@ at::Tensor grouped_mm_grad_input_cpu(const at::Tensor& grad_y, const at::Tensor&
 at::Tensor grouped_mm_grad_weight_cpu(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& counts) {
   auto g = grad_y.contiguous(), a = x.contiguous(), c = counts_tensor(counts);
   auto grad_w = at::empty({c.numel(), g.size(1), a.size(1)}, a.options());
-  check(fsdpturbo_grouped_matmul_grad_weight(dtype_code(a, "grouped_mm"), g.const_data_ptr(), bytes(g), a.const_data_ptr(),
+  check(fsdpturbo_grouped_mm_grad_weight(dtype_code(a, "grouped_mm"), g.const_data_ptr(), bytes(g), a.const_data_ptr(),
                                              bytes(a), u64(c), c.numel(), a.size(1), g.size(1),
                                              grad_w.mutable_data_ptr(), bytes(grad_w)),
         "fsdpturbo::grouped_mm_grad_weight");

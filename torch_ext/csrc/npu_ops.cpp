@@ -5,7 +5,7 @@
 // aclnnGroupedMatMulAlltoAllv) over a process group's HCCL communicator named by the caller.
 // The generic row gather/combine (moe_permute/moe_unpermute) are ATen compositions torch_npu
 // runs; routing metadata is computed on the host, where the split sizes must go anyway
-// (DESIGN §4.5).
+// (docs/design.md §4.5).
 //
 // Test mode (`fsdpturbo::_ascend_test_double_enable`): libfsdpturbo agrees only when every CANN
 // library it loaded is fsdpturbo's C test double (csrc/testing, never installed; real CANN
@@ -95,7 +95,7 @@ void launch_gmm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
                 int64_t split_item, int64_t group_type, const char* op) {
   Workspaces workspaces{x.device(), {}};
   NpuView vx(x), vw(weight), vc(counts), vo(out);
-  check(fsdpturbo_npu_grouped_matmul(npu_dtype(x, op), &vx.view, &vw.view, &vc.view, &vo.view, split_item, group_type,
+  check(fsdpturbo_npu_grouped_mm(npu_dtype(x, op), &vx.view, &vw.view, &vc.view, &vo.view, split_item, group_type,
                                      &allocate_workspace, &workspaces, stream_for(x, op)),
         op);
 }
@@ -199,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> alltoallv_grouped_mm_npu(const at::Tensor& x,
   Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
   Workspaces workspaces{x.device(), {}};
   NpuView vx(src), vw(w), vy(y), vp(permuted);
-  check(fsdpturbo_npu_alltoallv_grouped_matmul(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
+  check(fsdpturbo_npu_alltoallv_grouped_mm(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
                                                &vp.view, &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return {y, permuted};
@@ -218,7 +218,7 @@ at::Tensor grouped_mm_alltoallv_npu(const at::Tensor& x, const at::Tensor& weigh
   Exchange exchange(group, ep_world_size, send_counts, recv_counts, trans_weight);
   Workspaces workspaces{x.device(), {}};
   NpuView vx(src), vw(w), vy(y);
-  check(fsdpturbo_npu_grouped_matmul_alltoallv(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
+  check(fsdpturbo_npu_grouped_mm_alltoallv(npu_dtype(src, name), &vx.view, &vw.view, &exchange.spec, &vy.view,
                                                &allocate_workspace, &workspaces, stream_for(src, name)),
         op);
   return y;

@@ -87,7 +87,7 @@ impl Aclnn {
     /// The views describe live device memory of their dtypes; `stream` is a live stream; every
     /// rank of the communicator makes the matching call.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn alltoallv_grouped_matmul(
+    pub unsafe fn alltoallv_grouped_mm(
         &self,
         x: &View,
         weight: &View,
@@ -98,7 +98,7 @@ impl Aclnn {
         stream: AclrtStream,
     ) -> Result<()> {
         let op = "aclnnAlltoAllvGroupedMatMul";
-        let (get, launch) = self.alltoallv_grouped_matmul.ok_or_else(|| self.missing(op))?;
+        let (get, launch) = self.alltoallv_grouped_mm.ok_or_else(|| self.missing(op))?;
         let o = self.mc2_operands(op, x, weight, exchange, gmm_y)?;
         let permuted = permute_out.map(|v| self.tensor(v)).transpose()?;
         let permuted_ptr = permuted.as_ref().map_or(std::ptr::null_mut(), |t| t.0);
@@ -118,8 +118,8 @@ impl Aclnn {
     /// the rows were sent in.
     ///
     /// # Safety
-    /// As [`Aclnn::alltoallv_grouped_matmul`].
-    pub unsafe fn grouped_matmul_alltoallv(
+    /// As [`Aclnn::alltoallv_grouped_mm`].
+    pub unsafe fn grouped_mm_alltoallv(
         &self,
         x: &View,
         weight: &View,
@@ -129,7 +129,7 @@ impl Aclnn {
         stream: AclrtStream,
     ) -> Result<()> {
         let op = "aclnnGroupedMatMulAlltoAllv";
-        let (get, launch) = self.grouped_matmul_alltoallv.ok_or_else(|| self.missing(op))?;
+        let (get, launch) = self.grouped_mm_alltoallv.ok_or_else(|| self.missing(op))?;
         let o = self.mc2_operands(op, x, weight, exchange, y)?;
         let (null, group, trans) = (std::ptr::null_mut(), exchange.group.as_ptr(), exchange.trans_weight);
         let (mut bytes, mut executor) = (0u64, null);

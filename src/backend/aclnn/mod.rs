@@ -1,7 +1,7 @@
 //! aclnn operators (`libopapi.so` and friends) and the executor destructor (`libnnopbase.so`),
 //! loaded at run time. Signatures from `csrc/include/ascend/aclnn.h` (ops-transformer's op_api headers). This
 //! module loads the libraries and owns the descriptors and the two-phase protocol; the operators
-//! are in [`grouped_matmul`], [`moe`] (token permute/unpermute) and [`mc2`] (all-to-all-v fused
+//! are in [`grouped_mm`], [`moe`] (token permute/unpermute) and [`mc2`] (all-to-all-v fused
 //! with grouped matmul).
 //!
 //! Symbols are looked up in op-plugin's order (`GetOpApiFuncAddr`): a custom `libcust_opapi.so`,
@@ -11,7 +11,7 @@
 //! with a new executor for every launch. Tensor descriptors and lists are destroyed after the
 //! launch (a list owns its tensors); an executor that is never launched is destroyed.
 
-mod grouped_matmul;
+mod grouped_mm;
 pub mod mc2;
 mod moe;
 
@@ -19,7 +19,7 @@ use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-pub use grouped_matmul::GroupedMatmul;
+pub use grouped_mm::GroupedMatmul;
 
 use super::acl::{ACL_FORMAT_ND, AclrtStream, ascend_lib_dirs};
 use super::{LibrarySpec, Loaded, load};
@@ -101,11 +101,11 @@ pub struct Aclnn {
     pub destroy_tensor_list: unsafe extern "C" fn(List) -> c_int,
     pub create_int_array: Option<unsafe extern "C" fn(*const i64, u64) -> IntArray>,
     pub destroy_int_array: Option<unsafe extern "C" fn(IntArray) -> c_int>,
-    pub grouped_matmul: GroupedMatmul,
+    pub grouped_mm: GroupedMatmul,
     pub token_permute: Option<(moe::Permute, Launch)>,
     pub token_unpermute: Option<(moe::Unpermute, Launch)>,
-    pub alltoallv_grouped_matmul: Option<(mc2::AlltoAllvGmm, Launch)>,
-    pub grouped_matmul_alltoallv: Option<(mc2::GmmAlltoAllv, Launch)>,
+    pub alltoallv_grouped_mm: Option<(mc2::AlltoAllvGmm, Launch)>,
+    pub grouped_mm_alltoallv: Option<(mc2::GmmAlltoAllv, Launch)>,
     pub destroy_executor: unsafe extern "C" fn(Executor) -> AclnnStatus,
     /// The libraries searched, in op-plugin's order, then libnnopbase.
     pub libs: Vec<Loaded>,
@@ -167,7 +167,7 @@ impl Aclnn {
                 find(&libs, "aclCreateTensorList").ok_or_else(|| missing("aclCreateTensorList"))?;
             let destroy_tensor_list =
                 find(&libs, "aclDestroyTensorList").ok_or_else(|| missing("aclDestroyTensorList"))?;
-            let grouped_matmul =
+            let grouped_mm =
                 GroupedMatmul::find(&libs).ok_or_else(|| missing("aclnnGroupedMatmulV5 or V4"))?;
             // Operators come from the operator libraries only, before libnnopbase joins the list.
             let mut api = Aclnn {
@@ -177,11 +177,11 @@ impl Aclnn {
                 destroy_tensor_list,
                 create_int_array: find(&libs, "aclCreateIntArray"),
                 destroy_int_array: find(&libs, "aclDestroyIntArray"),
-                grouped_matmul,
+                grouped_mm,
                 token_permute: find_op(&libs, "aclnnMoeTokenPermute"),
                 token_unpermute: find_op(&libs, "aclnnMoeTokenUnpermute"),
-                alltoallv_grouped_matmul: find_op(&libs, "aclnnAlltoAllvGroupedMatMul"),
-                grouped_matmul_alltoallv: find_op(&libs, "aclnnGroupedMatMulAlltoAllv"),
+                alltoallv_grouped_mm: find_op(&libs, "aclnnAlltoAllvGroupedMatMul"),
+                grouped_mm_alltoallv: find_op(&libs, "aclnnGroupedMatMulAlltoAllv"),
                 destroy_executor: nnopbase.required("aclDestroyAclOpExecutor")?,
                 libs,
             };

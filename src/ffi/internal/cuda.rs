@@ -15,7 +15,7 @@ use crate::ffi::norm::fsdpturbo_grad_t;
 use crate::ffi::panic::boundary;
 use crate::norm::NormType;
 
-/// fsdpturbo_cuda_grouped_matmul `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
+/// fsdpturbo_cuda_grouped_mm `kind`: y = x_g @ W[g]^T (a = x, b = W, c = y).
 pub const FSDPTURBO_GEMM_FORWARD: i32 = 0;
 /// grad_x = grad_y_g @ W[g] (a = grad_y, b = W, c = grad_x).
 pub const FSDPTURBO_GEMM_GRAD_INPUT: i32 = 1;
@@ -214,9 +214,9 @@ pub extern "C" fn fsdpturbo_cuda_scale(
     boundary(|| Ok(kernels::scale(device, Stream(stream), addr(table), n_tensors, chunks, coef)?))
 }
 
-/// Workspace bytes of fsdpturbo_cuda_grouped_matmul.
+/// Workspace bytes of fsdpturbo_cuda_grouped_mm.
 #[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_cuda_grouped_matmul_workspace(groups: usize) -> usize {
+pub extern "C" fn fsdpturbo_cuda_grouped_mm_workspace(groups: usize) -> usize {
     cublas::grouped_gemm_workspace(groups)
 }
 
@@ -226,7 +226,7 @@ pub extern "C" fn fsdpturbo_cuda_grouped_matmul_workspace(groups: usize) -> usiz
 /// Empty groups give no rows and a zero weight gradient. `use_loop` forces one cublasGemmEx per
 /// group (also the fallback where cublasGemmGroupedBatchedEx is missing). Does not wait.
 #[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_cuda_grouped_matmul(
+pub extern "C" fn fsdpturbo_cuda_grouped_mm(
     device: i32,
     stream: *mut c_void,
     dtype: i32,

@@ -643,7 +643,7 @@ fn grouped(
 /// `y[rows of g] = x[rows of g] @ weight[g]^T`, `y [N, out]`. All buffers have one element type;
 /// bf16/f16 accumulate in f32 and round once; empty groups are fine. Large problems use all
 /// available cores; results do not depend on the thread count.
-pub fn grouped_matmul(
+pub fn grouped_mm(
     x: HostBuf,
     group_rows: &[u64],
     weight: HostBuf,
@@ -651,11 +651,11 @@ pub fn grouped_matmul(
     out_features: usize,
     y: HostBufMut,
 ) -> Result<()> {
-    grouped_matmul_with(x, group_rows, weight, in_features, out_features, y, KernelOptions::default())
+    grouped_mm_with(x, group_rows, weight, in_features, out_features, y, KernelOptions::default())
 }
 
-/// [`grouped_matmul`] with explicit [`KernelOptions`].
-pub fn grouped_matmul_with(
+/// [`grouped_mm`] with explicit [`KernelOptions`].
+pub fn grouped_mm_with(
     x: HostBuf,
     group_rows: &[u64],
     weight: HostBuf,
@@ -668,9 +668,9 @@ pub fn grouped_matmul_with(
     grouped(GemmOp::Forward, a, b, c, group_rows, in_features, out_features, options, options.isa()?)
 }
 
-/// The input gradient of [`grouped_matmul`]: `grad_x[rows of g] = grad_y[rows of g] @ weight[g]`,
+/// The input gradient of [`grouped_mm`]: `grad_x[rows of g] = grad_y[rows of g] @ weight[g]`,
 /// `grad_y [N, out]`, `grad_x [N, in]`.
-pub fn grouped_matmul_grad_input(
+pub fn grouped_mm_grad_input(
     grad_y: HostBuf,
     group_rows: &[u64],
     weight: HostBuf,
@@ -679,11 +679,11 @@ pub fn grouped_matmul_grad_input(
     grad_x: HostBufMut,
 ) -> Result<()> {
     let options = KernelOptions::default();
-    grouped_matmul_grad_input_with(grad_y, group_rows, weight, in_features, out_features, grad_x, options)
+    grouped_mm_grad_input_with(grad_y, group_rows, weight, in_features, out_features, grad_x, options)
 }
 
-/// [`grouped_matmul_grad_input`] with explicit [`KernelOptions`].
-pub fn grouped_matmul_grad_input_with(
+/// [`grouped_mm_grad_input`] with explicit [`KernelOptions`].
+pub fn grouped_mm_grad_input_with(
     grad_y: HostBuf,
     group_rows: &[u64],
     weight: HostBuf,
@@ -696,9 +696,9 @@ pub fn grouped_matmul_grad_input_with(
     grouped(GemmOp::GradInput, a, b, c, group_rows, in_features, out_features, options, options.isa()?)
 }
 
-/// The weight gradient of [`grouped_matmul`]: `grad_weight[g] = grad_y[rows of g]^T @ x[rows of g]`,
+/// The weight gradient of [`grouped_mm`]: `grad_weight[g] = grad_y[rows of g]^T @ x[rows of g]`,
 /// `grad_weight [G, out, in]`; zero for empty groups.
-pub fn grouped_matmul_grad_weight(
+pub fn grouped_mm_grad_weight(
     grad_y: HostBuf,
     x: HostBuf,
     group_rows: &[u64],
@@ -707,11 +707,11 @@ pub fn grouped_matmul_grad_weight(
     grad_weight: HostBufMut,
 ) -> Result<()> {
     let options = KernelOptions::default();
-    grouped_matmul_grad_weight_with(grad_y, x, group_rows, in_features, out_features, grad_weight, options)
+    grouped_mm_grad_weight_with(grad_y, x, group_rows, in_features, out_features, grad_weight, options)
 }
 
-/// [`grouped_matmul_grad_weight`] with explicit [`KernelOptions`].
-pub fn grouped_matmul_grad_weight_with(
+/// [`grouped_mm_grad_weight`] with explicit [`KernelOptions`].
+pub fn grouped_mm_grad_weight_with(
     grad_y: HostBuf,
     x: HostBuf,
     group_rows: &[u64],

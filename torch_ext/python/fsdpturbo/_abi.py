@@ -8,8 +8,6 @@ opaque pointers are c_void_p; strings and byte buffers (char *, uint8_t *) are c
 import ctypes as _c
 
 # Constants (#define and enum values).
-FSDPTURBO_HCCL_ROOT_INFO_BYTES = 4108
-FSDPTURBO_HCCL_COMM_NAME_BYTES = 128
 FSDPTURBO_REDUCE_PROD = 2
 FSDPTURBO_REDUCE_MIN = 3
 FSDPTURBO_NCCL_UNIQUE_ID_BYTES = 128
@@ -24,6 +22,8 @@ FSDPTURBO_DTYPE_BF16 = 3
 FSDPTURBO_DTYPE_U8 = 4
 FSDPTURBO_DTYPE_I32 = 5
 FSDPTURBO_DTYPE_I64 = 6
+FSDPTURBO_HCCL_ROOT_INFO_BYTES = 4108
+FSDPTURBO_HCCL_COMM_NAME_BYTES = 128
 FSDPTURBO_REDUCE_SUM = 0
 FSDPTURBO_REDUCE_MAX = 1
 FSDPTURBO_DIM_SHARD = 0
@@ -222,11 +222,6 @@ fsdpturbo_topology_options_t._fields_ = [
 
 # Functions: name -> (restype, argtypes), in header order (public, then internal).
 FUNCTIONS = {
-    'fsdpturbo_hccl_root_info': (_c.c_int32, [_c.c_char_p, _c.c_size_t]),
-    'fsdpturbo_hccl_comm_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_hccl_comm_name': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t]),
-    'fsdpturbo_hccl_comm_free': (None, [_c.c_void_p]),
-    'fsdpturbo_hccl_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_int32, _c.c_void_p]),
     'fsdpturbo_add_library_dirs': (_c.c_int32, [_c.POINTER(_c.c_char_p), _c.c_size_t]),
     'fsdpturbo_nvrtc_version': (_c.c_int32, [_c.POINTER(_c.c_int32), _c.POINTER(_c.c_int32)]),
     'fsdpturbo_cuda_compile_kernels': (_c.c_int32, [_c.c_uint32, _c.c_bool, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
@@ -252,17 +247,25 @@ FUNCTIONS = {
     'fsdpturbo_config_dispatcher': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_int32)]),
     'fsdpturbo_last_error': (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
     'fsdpturbo_status_name': (_c.c_char_p, [_c.c_int32]),
+    'fsdpturbo_grouped_mm': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_grouped_mm_grad_input': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_grouped_mm_grad_weight': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_hccl_root_info': (_c.c_int32, [_c.c_char_p, _c.c_size_t]),
+    'fsdpturbo_hccl_comm_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_hccl_comm_name': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t]),
+    'fsdpturbo_hccl_comm_free': (None, [_c.c_void_p]),
+    'fsdpturbo_hccl_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_int32, _c.c_void_p]),
     'fsdpturbo_host_isa': (_c.c_int32, [_c.POINTER(_c.c_char_p)]),
     'fsdpturbo_norm_plan': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_clip_grad_norm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, fsdpturbo_reduce_fn, _c.c_void_p, _c.POINTER(_c.c_double)]),
     'fsdpturbo_scale_in_place': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double]),
     'fsdpturbo_local_power_sum': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double, _c.c_bool, _c.POINTER(_c.c_double)]),
-    'fsdpturbo_npu_grouped_matmul': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.c_int64, _c.c_int64, fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_grouped_matmul_version': (_c.c_int32, [_c.POINTER(_c.c_uint32)]),
+    'fsdpturbo_npu_grouped_mm': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.c_int64, _c.c_int64, fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_grouped_mm_version': (_c.c_int32, [_c.POINTER(_c.c_uint32)]),
     'fsdpturbo_npu_moe_token_permute': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
     'fsdpturbo_npu_moe_token_unpermute': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_alltoallv_grouped_matmul': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_grouped_matmul_alltoallv': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_alltoallv_grouped_mm': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_grouped_mm_alltoallv': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
     'fsdpturbo_op_register': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_op_resolve': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_int32)]),
     'fsdpturbo_op_fallback_warning': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
@@ -293,9 +296,6 @@ FUNCTIONS = {
     'fsdpturbo_route': (_c.c_int32, [_c.POINTER(_c.c_int64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_permute_rows': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_unpermute': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_grouped_matmul': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_grouped_matmul_grad_input': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_grouped_matmul_grad_weight': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_safetensors_header_size': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_safetensors_parse': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_safetensors_free': (None, [_c.c_void_p]),
@@ -314,6 +314,7 @@ FUNCTIONS = {
     'fsdpturbo_state_get': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
     'fsdpturbo_state_reset': (None, []),
     'fsdpturbo_topology_new': (_c.c_int32, [_c.POINTER(fsdpturbo_topology_options_t), _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_topology_from_config': (_c.c_int32, [_c.c_void_p, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_topology_free': (None, [_c.c_void_p]),
     'fsdpturbo_topology_size': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_topology_mesh_shape': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
@@ -329,8 +330,8 @@ FUNCTIONS = {
     'fsdpturbo_cuda_multi_tensor_table': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_cuda_power_sum': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_double, _c.c_bool, _c.POINTER(_c.c_double), _c.POINTER(_c.c_double)]),
     'fsdpturbo_cuda_scale': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_double]),
-    'fsdpturbo_cuda_grouped_matmul_workspace': (_c.c_size_t, [_c.c_size_t]),
-    'fsdpturbo_cuda_grouped_matmul': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_bool, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_cuda_grouped_mm_workspace': (_c.c_size_t, [_c.c_size_t]),
+    'fsdpturbo_cuda_grouped_mm': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_bool, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_cuda_compute_capability': (_c.c_int32, [_c.c_int32, _c.POINTER(_c.c_uint32)]),
     'fsdpturbo_debug_panic': (_c.c_int32, []),
     'fsdpturbo_ascend_test_double_stream': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),

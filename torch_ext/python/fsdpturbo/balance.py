@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["balance_step", "install"]
 
-SCOPES = ("global", "local", "sequence")
 _MODELING = ("transformers.models.qwen3_moe.modeling_qwen3_moe",
              "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
 _RUNNING = contextvars.ContextVar("fsdpturbo_balance_forward", default=None)
@@ -220,8 +219,6 @@ def install(model, *, scope, z_coef, factor, device, cp_size=1):
     type keeps Hugging Face's per-rank aux loss (a warning when it outputs router logits);
     `sequence` scope or a z-loss on it, and `sequence` scope with cp > 1 (a sequence spread over
     ranks), are NotImplementedError."""
-    if scope not in SCOPES:
-        raise ValueError(f"fsdpturbo: dist_config.aux_loss_scope is {scope!r}; accepted: {', '.join(SCOPES)}")
     module = _modeling_module(model)
     if module is None:
         if scope == "sequence" or z_coef:

@@ -1,5 +1,5 @@
 """Expert FSDP (EFSDP): FSDP2 over the efsdp mesh for the expert-side modules, and the
-gradient reduction rule every FSDP2 unit of the engine follows (DESIGN §4.1).
+gradient reduction rule every FSDP2 unit of the engine follows (docs/design.md §4.1).
 
 The rule. Every rank's backward leaves in each parameter the contribution of the tokens it
 saw (for experts: of every token its EP group routed to them, through the all-to-all's

@@ -1,8 +1,10 @@
 """The training engine: expert parallelism × expert FSDP × the outer FSDP2 for a Hugging Face
-MoE model, in the seed's order (seed-semantics §8): storage dtype, the plan (from the Rust
+MoE model, in the seed's order (docs/training.md): storage dtype, the plan (from the Rust
 core), EP, EFSDP, the outer FSDP2 per decoder layer and at the root over dp (expert weights
 ignored there), materialisation from meta, the Hugging Face weights through `copy_weights_`,
-and the grad-norm warm-up. Gradients follow DESIGN §4.1 (see `fsdpturbo.efsdp`).
+and the grad-norm warm-up. Gradients follow docs/design.md §4.1 (see `fsdpturbo.efsdp`).
+The expert-sharding step (spec, plan, EP, EFSDP, ignored parameters) is shared with the
+LlamaFactory engine (`fsdpturbo.llamafactory`).
 """
 import functools
 import logging
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from . import balance, expert_bias, expert_lora
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
+from ._dist import rank
 from .consistency import check_same_on_every_rank, collective_step, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
@@ -32,10 +35,70 @@ __all__ = ["decoder_layers", "fully_shard_outer", "materialize", "reduce_replica
 _DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu"}
 
 
+def _info_rank0(message, *args):
+    if rank() == 0:
+        logger.info(message, *args)
+
+
 def _default_device(device_type):
+    """Where meta tensors are materialised on a mesh of `device_type`: the CPU, or the current
+    cuda/npu device."""
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _cast_to_storage_dtype(model, bf16):
+    """The parameters in the storage dtype: bf16 with `bf16: true`, else float32."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    _info_rank0("Using %s for FSDPTurbo full tuning.", dtype)
+    return model.to(dtype)
+
+
+def _apply_expert_sharding(model, config, topology, ep_mesh, efsdp_mesh, *, efsdp_of_size_one=True,
+                           parallelize=expert_parallelize_modules, fully_shard=expert_fully_shard_modules):
+    """The expert-sharding step both engines share: the model type's prepare function (when its
+    `FSDPTurboEPModelSpec` has one), the plan of `config` (a `TrainConfig`) on `topology` (a
+    `ParallelState`) from the Rust core, then with ep > 1 `parallelize` (expert parallelism over
+    `ep_mesh`) and `fully_shard` (EFSDP over `efsdp_mesh`: the plan's units; at efsdp = 1 the
+    expert modules alone, so that their gradients are reduced by FSDP2, unless
+    `efsdp_of_size_one` is False, as LlamaFactory does, leaving the reduction to expert
+    parallelism). PEFT's wrappers of expert weights are taken over first (`fsdpturbo.expert_lora`).
+    Returns (model, plan, the parameters the outer FSDP2 ignores)."""
+    dist_config = config.values["dist"]
+    spec = FSDPTurboEPModelSpec.get(model)
+    model = spec.prepare(model) if spec is not None else model
+    if topology.ep_size > 1:
+        expert_lora.take_over(model)  # the plan sees the expert modules themselves
+    plan = resolve_plan(model, config, topology)
+    for warning in plan["warnings"]:
+        logger.warning("fsdpturbo plan: %s", warning)
+    expert_names = [m["name"] for m in plan["ep_modules"]]
+    if expert_names:
+        efsdp_units = plan["efsdp_modules"] or (expert_names if efsdp_of_size_one else [])
+        if ep_mesh is None:
+            raise RuntimeError("FSDPTurbo EP mesh is not initialized.")
+        if efsdp_units and efsdp_mesh is None:
+            raise RuntimeError("FSDPTurbo EFSDP mesh is not initialized.")
+        ep_plan = EPPlanConfig(apply_modules=expert_names, dispatcher=dist_config["ep_dispatcher"],
+                               apply_efsdp_modules=efsdp_units, gradient_divide_factor=plan["gradient_divide_factor"],
+                               capacity=Capacity.from_dist_config(dist_config))
+        _info_rank0("Applying FSDPTurbo EP backend.")
+        _info_rank0("FSDPTurbo EP modules: %s", ep_plan.apply_modules)
+        _info_rank0("FSDPTurbo EP device mesh: %s", ep_mesh)
+        _info_rank0("FSDPTurbo EP gradient divide factor: %s", ep_plan.gradient_divide_factor)
+        model = parallelize(model, ep_mesh, ep_plan)
+        if efsdp_units:
+            fsdp_plan = FSDPPlanConfig(apply_modules={}, hook_modules=dist_config["hook_modules"] if plan["efsdp_modules"]
+                                       else [], fsdp_implementation=dist_config["fsdp_implementation"])
+            _info_rank0("FSDPTurbo EFSDP modules: %s", ep_plan.apply_efsdp_modules)
+            _info_rank0("FSDPTurbo EFSDP device mesh: %s", efsdp_mesh)
+            model = fully_shard(model, efsdp_mesh, ep_plan, fsdp_plan)
+    params = dict(model.named_parameters())  # after EP, which replaced the expert parameters
+    ignored = [params[name] for name in plan["ignored_params"]]
+    if ignored:
+        _info_rank0("FSDPTurbo FSDP2: Ignoring %d EP parameters in outer FSDP.", len(ignored))
+    return model, plan, ignored
 
 
 def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_after_forward=True,
@@ -60,7 +123,7 @@ def fully_shard_outer(model, dp_mesh, factor, *, ignored_params=(), reshard_afte
                     mp_policy=mixed_precision_policy([p for p in params if p not in skipped], FSDPPlanConfig()),
                     offload_policy=offload_policy, ignored_params=skipped or None)
         configure_gradient_reduction(module, dp_mesh, factor, replicas)
-    reduce_replicated_gradients([p for p in ignored_params if not isinstance(p, DTensor)], factor)
+    reduce_replicated_gradients(model, [p for p in ignored_params if not isinstance(p, DTensor)], factor)
     return model
 
 
@@ -70,13 +133,34 @@ def _reduce_hook(grad, factor):
     return grad.div_(factor)
 
 
-def reduce_replicated_gradients(params, factor):
-    """For parameters kept whole on every rank outside any FSDP2 unit (`fsdp_ignored_modules`):
-    each backward's incoming gradient is summed over all ranks and divided by `factor` before
-    it is accumulated (correct under gradient accumulation)."""
-    for p in params:
-        if p.requires_grad:
-            p.register_hook(functools.partial(_reduce_hook, factor=float(factor)))
+class _ReplicatedGradients:
+    """A forward pre-hook of the model that gives the parameters `names` the reduction of
+    `reduce_replicated_gradients` on whichever Parameter objects the model holds at that
+    forward: materialising from meta (`to_empty`) or loading weights replaces them after
+    wrapping, and a tensor hook does not move to the new object."""
+
+    MARK = "_fsdpturbo_gradient_reduced"
+
+    def __init__(self, names, factor):
+        self.names, self.factor = names, float(factor)
+
+    def __call__(self, model, args):
+        params = dict(model.named_parameters())
+        for param in (params[n] for n in self.names):
+            if param.requires_grad and not hasattr(param, self.MARK):
+                param.register_hook(functools.partial(_reduce_hook, factor=self.factor))
+                setattr(param, self.MARK, True)
+
+
+def reduce_replicated_gradients(model, params, factor):
+    """For parameters of `model` kept whole on every rank outside any FSDP2 unit
+    (`fsdp_ignored_modules`): each backward's incoming gradient is summed over all ranks and
+    divided by `factor` before it is accumulated (correct under gradient accumulation), also
+    after the parameters are materialised or reloaded."""
+    ids = {id(p) for p in params}
+    names = [n for n, p in model.named_parameters() if id(p) in ids]
+    if names:
+        model.register_forward_pre_hook(_ReplicatedGradients(names, factor))
 
 
 def materialize(model, device, weights=None, copy_fn=None, dcp_path=None):
@@ -127,7 +211,7 @@ def _read_inputs(train_config, weights):
 
     def read():
         config = parsed["config"] = TrainConfig.of(train_config)
-        dcp_path = (config.values.get("dist") or {}).get("dcp_path")
+        dcp_path = config.values["dist"]["dcp_path"]
         sources = {}
         if weights is not None:
             sources["weights checkpoint"] = weights_fingerprint(weights)
@@ -136,7 +220,7 @@ def _read_inputs(train_config, weights):
         return sources
 
     sources = collective_step("shard_model: reading the training configuration and checkpoints", read, ValueError)
-    return parsed["config"], sources[dist.get_rank() if dist.is_initialized() else 0]
+    return parsed["config"], sources[rank()]
 
 
 def shard_model(model, train_config, *, weights=None, state=None, device=None):
@@ -178,47 +262,26 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     cfg = config.values
     check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model), **sources},
                              "shard_model")
-    dist_cfg = cfg.get("dist") or {}
-    dcp_path = dist_cfg.get("dcp_path")
+    dist_config = cfg["dist"]
+    dcp_path = dist_config["dcp_path"]
     if dcp_path and weights is not None:
         raise ValueError(f"fsdpturbo: both dist_config.dcp_path ({dcp_path!r}) and weights=({weights!r}) give the "
                          f"initial weights; pass one")
-    dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
-    logger.info("Using %s for FSDPTurbo full tuning.", dtype)
-    model.to(dtype)
-    spec = FSDPTurboEPModelSpec.get(model)
-    model = spec.prepare(model) if spec is not None else model
+    model = _cast_to_storage_dtype(model, cfg["bf16"])
     device_type = torch.device(device).type if device is not None else \
         _DEVICE_OF_BACKEND.get(dist.get_backend(), "cpu")
     state = state or _state_for(config, device_type)
     device = torch.device(device) if device is not None else _default_device(device_type)
-    if state.ep_size > 1:
-        expert_lora.take_over(model)  # the plan sees the expert modules themselves
-    plan = resolve_plan(model, config, state)
-    for warning in plan["warnings"]:
-        logger.warning("fsdpturbo plan: %s", warning)
+    model, plan, ignored = _apply_expert_sharding(model, config, state, state.sub_mesh("ep"), state.sub_mesh("efsdp"))
     factor = plan["gradient_divide_factor"]
-
-    if state.ep_size > 1:
-        expert_names = [m["name"] for m in plan["ep_modules"]]
-        efsdp = state.efsdp_size > 1
-        ep_plan = EPPlanConfig(apply_modules=expert_names, dispatcher=dist_cfg.get("ep_dispatcher", "eager"),
-                               apply_efsdp_modules=plan["efsdp_modules"] if efsdp else expert_names,
-                               gradient_divide_factor=factor, capacity=Capacity.from_dist_config(dist_cfg))
-        fsdp_plan = FSDPPlanConfig(apply_modules={}, hook_modules=dist_cfg.get("hook_modules", []) if efsdp else [],
-                                   fsdp_implementation=dist_cfg.get("fsdp_implementation", "native"))
-        expert_parallelize_modules(model, state.sub_mesh("ep"), ep_plan)
-        expert_fully_shard_modules(model, state.sub_mesh("efsdp"), ep_plan, fsdp_plan)
-    if dist_cfg.get("expert_bias_update_rate") is not None:
-        expert_bias.install(model, dist_cfg["expert_bias_update_rate"])
-    balance.install(model, scope=dist_cfg.get("aux_loss_scope", "global"),
-                    z_coef=dist_cfg.get("router_z_loss_coef", 0.0), factor=factor, device=device, cp_size=state.cp_size)
-    params = dict(model.named_parameters())  # after EP, which replaced the expert parameters
-    fully_shard_outer(model, state.sub_mesh("dp"), factor,
-                      ignored_params=[params[n] for n in plan["ignored_params"]],
-                      reshard_after_forward=dist_cfg.get("reshard_after_forward", True),
-                      offload_policy=CPUOffloadPolicy(pin_memory=dist_cfg.get("pin_memory", True))
-                      if dist_cfg.get("offload_params") else None)
+    if dist_config["expert_bias_update_rate"] is not None:
+        expert_bias.install(model, dist_config["expert_bias_update_rate"])
+    balance.install(model, scope=dist_config["aux_loss_scope"], z_coef=dist_config["router_z_loss_coef"],
+                    factor=factor, device=device, cp_size=state.cp_size)
+    fully_shard_outer(model, state.sub_mesh("dp"), factor, ignored_params=ignored,
+                      reshard_after_forward=dist_config["reshard_after_forward"],
+                      offload_policy=CPUOffloadPolicy(pin_memory=dist_config["pin_memory"])
+                      if dist_config["offload_params"] else None)
     materialize(model, device, weights, dcp_path=dcp_path)
     warmup_grad_norm(model)
     return given

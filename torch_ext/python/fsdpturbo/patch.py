@@ -17,13 +17,19 @@
   module; a new object (e.g. a new `functools.partial`) is installed again.
 * Returns the number of matched modules over all targets.
 
+`apply_module_patch(model, target, replacement) -> int` (FSDPTurbo's `module_patches` entry):
+a `target` naming a module-level callable (`"package.module.function"`) is replaced in its
+module and in every loaded module that holds it under a name of its own (`from m import f`),
+once per replacement (1 match); any other target is a `patch_model_members` target.
+
 The error texts are the seed's.
 """
 import importlib
 import inspect
+import sys
 import types
 
-__all__ = ["PATCH_IDS_ATTR", "callable_id", "import_module_or_suffix", "patch_model_members",
+__all__ = ["PATCH_IDS_ATTR", "apply_module_patch", "callable_id", "import_module_or_suffix", "patch_model_members",
            "resolve_callable", "resolve_class_member"]
 
 PATCH_IDS_ATTR = "_fsdp_turbo_patch_ids"
@@ -173,3 +179,36 @@ def patch_model_members(model, targets, replacements):
                 matched += 1
                 _patch_member(module, member, fn, target)
     return matched
+
+
+def _module_member(path):
+    """(module, name) when `path` names a callable at module level, else None."""
+    owner_path, _, name = path.rpartition(".")
+    if not owner_path:
+        return None
+    try:
+        owner = import_module_or_suffix(owner_path)
+    except ModuleNotFoundError:
+        return None
+    return (owner, name) if callable(getattr(owner, name, None)) else None
+
+
+def _patch_module_member(owner, name, replacement):
+    original = getattr(owner, name)
+    if not _install(owner, name, original, replacement, replacement):
+        return
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None) or {}
+        for alias, value in list(namespace.items()):
+            if value is original:
+                namespace[alias] = replacement
+
+
+def apply_module_patch(model, target, replacement):
+    """Replaces `target` by `replacement` (see the module docstring); returns the number of
+    matches (0: `target` matched nothing, left to the caller to refuse)."""
+    member = _module_member(target) if isinstance(target, str) else None
+    if member is None:
+        return patch_model_members(model, target, replacement)
+    _patch_module_member(*member, resolve_callable(replacement))
+    return 1

@@ -4,7 +4,7 @@ import ctypes
 
 from . import _native
 from ._native import check, lib, u64_out
-from .config import TrainConfig
+from .config import config_handle
 
 _MESHES = {"data": _native.MESH_DATA, "model": _native.MESH_MODEL, "expert": _native.MESH_EXPERT}
 _DIM_NAMES = {"data": ("dp", "cp"), "model": ("mp_replicate", "mp_shard"),
@@ -20,20 +20,23 @@ class ParallelState:
         options = _native.TopologyOptions(
             ctypes.sizeof(_native.TopologyOptions), world_size, dp_size or 0, cp_size, mp_replicate_size,
             mp_shard_size or 0, ep_size, efsdp_size or 0)
-        handle = ctypes.c_void_p()
-        check(lib.fsdpturbo_topology_new(ctypes.byref(options), ctypes.byref(handle)))
-        self._handle = handle
-        self.data_mesh = self.model_mesh = self.expert_mesh = None
+        self._adopt(lib.fsdpturbo_topology_new, ctypes.byref(options))
 
     @classmethod
     def from_config(cls, config, world_size):
         """The topology a training config (a `TrainConfig`, or a path, YAML text or dict) asks for
-        on `world_size` ranks."""
-        cfg = TrainConfig.of(config).values
-        dist_config = cfg.get("dist") or {}
-        return cls(world_size, dp_size=cfg.get("dp_size"), cp_size=cfg["cp_size"],
-                   mp_replicate_size=cfg["mp_replicate_size"], mp_shard_size=cfg.get("mp_shard_size"),
-                   ep_size=dist_config.get("ep_size", 1), efsdp_size=dist_config.get("efsdp_size"))
+        on `world_size` ranks, built by the Rust core from the parsed configuration."""
+        state = cls.__new__(cls)
+        with config_handle(config) as handle:
+            state._adopt(lib.fsdpturbo_topology_from_config, handle, world_size)
+        return state
+
+    def _adopt(self, make, *args):
+        """Takes the topology handle `make(*args, &handle)` builds; no torch meshes yet."""
+        handle = ctypes.c_void_p()
+        check(make(*args, ctypes.byref(handle)))
+        self._handle = handle
+        self.data_mesh = self.model_mesh = self.expert_mesh = None
 
     def __del__(self):
         if getattr(self, "_handle", None):

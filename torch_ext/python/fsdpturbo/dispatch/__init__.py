@@ -6,7 +6,7 @@ fsdpturbo.dispatch.experts, the kernels it runs with (torch's or the op library'
 fsdpturbo.dispatch.kernels, and where kernels run (NPU, test double) in
 fsdpturbo.dispatch.device.
 
-The seed's contract (reference/seed-semantics.md §4–§5), with DESIGN §4 fixes: expert ids
+The seed's contract, with docs/design.md §4 fixes: expert ids
 outside [0, E) are an error on every rank (no rank hangs), experts == ep works, and split
 sizes reach the host synchronously before the all-to-all.
 """

@@ -66,10 +66,10 @@ class Capacity:
     def from_dist_config(cls, dist_config):
         """The capacity of a validated `dist_config` dict (`TrainConfig.values["dist"]`), or None
         (dropless)."""
-        factor, tokens = dist_config.get("capacity_factor"), dist_config.get("expert_capacity")
+        factor, tokens = dist_config["capacity_factor"], dist_config["expert_capacity"]
         if factor is None and tokens is None:
             return None
-        return cls(factor=factor, tokens=tokens, overflow=dist_config.get("capacity_overflow") or "drop")
+        return cls(factor=factor, tokens=tokens, overflow=dist_config["capacity_overflow"])
 
     def rows(self, tokens, top_k, num_experts):
         """C: the rows each expert takes from one rank in a forward of `tokens` tokens."""

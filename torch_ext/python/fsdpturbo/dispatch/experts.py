@@ -21,7 +21,7 @@ from ..ep_state import state
 class GradientReduction:
     """What the backward does to an expert weight's gradient while expert parallelism alone
     owns it: SUM over `groups` (the ranks holding replicas of the same experts), then divide
-    by `factor` (DESIGN §4.1)."""
+    by `factor` (docs/design.md §4.1)."""
     groups: tuple
     factor: float
 

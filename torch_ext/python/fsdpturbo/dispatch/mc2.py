@@ -17,7 +17,7 @@ In the common pipeline (fsdpturbo.dispatch.pipeline) the rows leave inside the f
 and come back inside the second: mc2's dispatch is the permute alone, its expert compute both
 fused operators, its combine the unpermute alone.
 
-Hardware limits (ops-transformer docs, reference §6.6): Atlas A3 only; ep size 8, 16, 32 or 64;
+Hardware limits (ops-transformer's mc2/ docs): Atlas A3 only; ep size 8, 16, 32 or 64;
 at most 32 local experts and 256 counts; bfloat16 or float16. They are checked before launch.
 """
 import ctypes

@@ -8,7 +8,7 @@ ways:
 * dropless: count each slice's rows per global expert and all-gather the counts over the EP
   group (this rank's counts go to `fsdpturbo.expert_stats`); the gathered counts are read on the
   host once (ids outside [0, E) then fail on every rank: no rank hangs) and give each slice's
-  split sizes (a `Receive`: on the host before any all-to-all, DESIGN §4.5);
+  split sizes (a `Receive`: on the host before any all-to-all, docs/design.md §4.5);
 * static shapes (the capacity-bounded mode, fsdpturbo.dispatch.capacity): the strategy sizes
   the exchange itself from a fixed number of rows per expert, reading no count on the host.
 
@@ -244,7 +244,7 @@ def run(strategy, module, hidden_states, top_k_index, top_k_weights, *, ep_group
 
 
 # The dispatch's one host read: the split sizes of the all-to-alls, which must be on the host
-# before they start (DESIGN §4.5). Under torch.compile this runs eagerly (one graph break per
+# before they start (docs/design.md §4.5). Under torch.compile this runs eagerly (one graph break per
 # MoE forward): traced, every new routing's sizes would be specialised into a new graph.
 @torch.compiler.disable
 def exchange_by_counts(strategy, module, parts, index, counts, kept, ep_group):

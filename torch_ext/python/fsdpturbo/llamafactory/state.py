@@ -5,6 +5,7 @@ import logging
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import norm
+from ..config import TrainConfig
 from ..topology import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -15,11 +16,13 @@ DP, CP = "dp", "cp"
 
 class FSDPTurboParallelState:
     """The seed's parallel state: dp, cp, ep, efsdp and edp sizes and, with ep > 1, the expert
-    mesh (edp, efsdp, ep, expert_cp) and its 1-D sub-meshes. Making one touches no mesh."""
+    mesh (edp, efsdp, ep, expert_cp) and its 1-D sub-meshes; `topology`, the Rust topology they
+    come from (what the plan resolves against). Making one touches no mesh."""
     EDP, EFSDP, EP, EXPERT_CP = "edp", "efsdp", "ep", "expert_cp"
 
     def __init__(self):
         self._initialized = False
+        self.topology = None
         self.dp_size = self.cp_size = self.ep_size = self.efsdp_size = self.edp_size = 1
         self.expert_mesh = self.edp_mesh = self.efsdp_mesh = self.ep_mesh = self.expert_cp_mesh = None
 
@@ -28,34 +31,32 @@ class FSDPTurboParallelState:
         return self._initialized
 
     def initialize(self, dist_interface, dist_config):
-        """Reads dp (`dist_interface.get_world_size("dp")`), cp (`dist_interface.strategy.cp_size`)
-        and `ep_size` (and our optional `efsdp_size`) from `dist_config`; with ep > 1 creates the
-        expert mesh with `init_device_mesh(device_type=..., mesh_shape=(edp, efsdp, ep, cp),
-        mesh_dim_names=("edp", "efsdp", "ep", "expert_cp"))` on the dp mesh's device type. The
-        sizes come from the Rust topology. Initialising again with the same (dp, cp, ep) does
-        nothing; a different one raises the seed's RuntimeError."""
+        """The topology of dp (`dist_interface.get_world_size("dp")`), cp
+        (`dist_interface.strategy.cp_size`) and `dist_config` (the dict of `FSDPTurboParams`:
+        its `ep_size` and our optional `efsdp_size`) on dp · cp ranks, validated and built by the
+        Rust core; with ep > 1 creates the expert mesh with `init_device_mesh(device_type=...,
+        mesh_shape=(edp, efsdp, ep, cp), mesh_dim_names=("edp", "efsdp", "ep", "expert_cp"))` on
+        the dp mesh's device type. Initialising again with the same (dp, cp, ep) does nothing; a
+        different one raises the seed's RuntimeError."""
         dp_size = int(dist_interface.get_world_size(DP))
         cp_size = int(dist_interface.strategy.cp_size)
-        ep_size = int(dist_config.get("ep_size", 1))
-        if ep_size < 1:
-            raise ValueError(f"ep_size must be positive, got {ep_size}.")
-        if dp_size % ep_size != 0:
-            raise ValueError(f"dp_size must be divisible by ep_size, got {dp_size} % {ep_size} != 0.")
-        topology = (dp_size, cp_size, ep_size)
+        config = TrainConfig({"dp_size": dp_size, "cp_size": cp_size, "dist_config": dist_config})
+        topology = ParallelState.from_config(config, dp_size * cp_size)
         if self._initialized:
             current = (self.dp_size, self.cp_size, self.ep_size)
-            if current != topology:
-                raise RuntimeError(f"FSDPTurbo parallel state is already initialized with {current}, got {topology}.")
+            if current != topology.key():
+                raise RuntimeError(f"FSDPTurbo parallel state is already initialized with {current}, "
+                                   f"got {topology.key()}.")
             return self
-        sizes = ParallelState(dp_size * cp_size, dp_size=dp_size, cp_size=cp_size, ep_size=ep_size,
-                              efsdp_size=dist_config.get("efsdp_size"))
-        self.dp_size, self.cp_size, self.ep_size = topology
-        self.efsdp_size, self.edp_size = sizes.efsdp_size, sizes.edp_size
-        if ep_size > 1:
+        self.topology = topology
+        self.dp_size, self.cp_size, self.ep_size = topology.key()
+        self.efsdp_size, self.edp_size = topology.efsdp_size, topology.edp_size
+        if self.ep_size > 1:
             dp_mesh = dist_interface.get_device_mesh(DP)
             if dp_mesh is None:
                 raise RuntimeError("FSDPTurbo expert parallelism requires an initialized distributed device mesh.")
-            self.expert_mesh = init_device_mesh(device_type=dp_mesh.device_type, mesh_shape=sizes.mesh_shape("expert"),
+            self.expert_mesh = init_device_mesh(device_type=dp_mesh.device_type,
+                                                mesh_shape=topology.mesh_shape("expert"),
                                                 mesh_dim_names=(self.EDP, self.EFSDP, self.EP, self.EXPERT_CP))
             self.edp_mesh = self.expert_mesh[self.EDP]
             self.efsdp_mesh = self.expert_mesh[self.EFSDP]

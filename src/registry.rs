@@ -126,7 +126,7 @@ pub fn fallback_warning(op_name: &str, device_type: &str) -> String {
     )
 }
 
-/// An operator name: `[A-Za-z_][A-Za-z0-9_.]*`, e.g. `grouped_matmul`.
+/// An operator name: `[A-Za-z_][A-Za-z0-9_.]*`, e.g. `grouped_mm`.
 pub fn check_op_name(op_name: &str) -> Result<()> {
     let mut chars = op_name.chars();
     let ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
@@ -136,7 +136,7 @@ pub fn check_op_name(op_name: &str) -> Result<()> {
     } else {
         Err(Error::invalid(format!(
             "operator name {op_name:?} is not valid: use ASCII letters, digits, '_' and '.', starting \
-             with a letter or '_' (e.g. 'grouped_matmul')"
+             with a letter or '_' (e.g. 'grouped_mm')"
         )))
     }
 }

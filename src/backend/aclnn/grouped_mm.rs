@@ -92,7 +92,7 @@ impl Aclnn {
     /// # Safety
     /// The views describe live device memory of their dtypes; `stream` is a live stream.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn grouped_matmul(
+    pub unsafe fn grouped_mm(
         &self,
         x: &View,
         weight: &View,
@@ -110,7 +110,7 @@ impl Aclnn {
         let null = std::ptr::null_mut();
         let mut bytes = 0u64;
         let mut executor: Executor = null;
-        let (code, launch, op) = match self.grouped_matmul {
+        let (code, launch, op) = match self.grouped_mm {
             // SAFETY: V4/V5 signatures; optional inputs NULL; groupListType 1, actType NONE.
             GroupedMatmul::V5(get, launch) => unsafe {
                 let code = get(

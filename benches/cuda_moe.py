@@ -69,7 +69,6 @@ def ceilings(repeat):
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     mm_ms = timed(lambda: a @ b, repeat)
-    del src, dst
     return 2 * n / copy_ms / 1e6, 2 * 8192**3 / mm_ms / 1e9
 
 
@@ -147,7 +146,6 @@ def bench_grad_norm(gen, copy_bw, repeat):
         1e-6, ">= 3300 GB/s")
     row("grad norm, 336 bf16 tensors", "GB/s", nbytes, t_ours, "torch._foreach_norm", timed(foreach, repeat), copy_bw,
         rel(foreach(), exact), 1e-3)
-    del ts
 
 
 def bench_grouped_mm(gen, gemm_rate, repeat, skew, monkey_env):

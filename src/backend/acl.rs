@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use super::{LibrarySpec, Loaded, load};
+use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
 pub type AclError = c_int;
@@ -23,6 +24,19 @@ pub const ACL_DOUBLE: c_int = 11;
 pub const ACL_BF16: c_int = 27;
 /// `aclFormat` ND.
 pub const ACL_FORMAT_ND: c_int = 2;
+
+/// The `aclDataType` of an element type.
+pub fn acl_dtype(dtype: Dtype) -> c_int {
+    match dtype {
+        Dtype::F32 => ACL_FLOAT,
+        Dtype::F64 => ACL_DOUBLE,
+        Dtype::F16 => ACL_FLOAT16,
+        Dtype::Bf16 => ACL_BF16,
+        Dtype::U8 => ACL_UINT8,
+        Dtype::I32 => ACL_INT32,
+        Dtype::I64 => ACL_INT64,
+    }
+}
 
 /// The CANN libraries live in `$ASCEND_HOME_PATH/lib64` (set by CANN's `set_env.sh`).
 pub fn ascend_lib_dirs() -> Vec<PathBuf> {

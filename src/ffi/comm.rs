@@ -8,15 +8,14 @@ use super::dtype::dtype_arg;
 use super::error::FfiError;
 use super::error::last_error_message;
 use super::handle::{
-    arg_ref, arg_slice, check_data, check_disjoint, check_struct_size, free_handle, into_handle, invalid,
-    out_array, struct_size_of, write_array, write_out,
+    arg_fn, arg_ref, arg_slice, check_data, check_disjoint, check_struct_size, free_handle, into_handle,
+    invalid, out_array, struct_size_of, write_array, write_out,
 };
 use super::norm::{
     FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
     fsdpturbo_reduce_fn,
 };
 use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_NULL_ARGUMENT;
 use crate::backend::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
@@ -140,9 +139,7 @@ pub extern "C" fn fsdpturbo_comm_host_new(
                 c.rank, c.world_size
             )));
         }
-        let all_reduce = c.all_reduce.ok_or_else(|| {
-            FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`callbacks.all_reduce` must not be NULL")
-        })?;
+        let all_reduce = arg_fn(c.all_reduce, "callbacks.all_reduce")?;
         // The user pointer travels as an address so that the closures are Send + Sync: the
         // embedder vouches for using its group from the threads that call the library.
         let user = c.user as usize;

@@ -34,14 +34,23 @@ pub(crate) fn arg_mut<'a, T>(ptr: *mut T, name: &str) -> Result<&'a mut T, FfiEr
     unsafe { ptr.as_mut() }.ok_or_else(|| null(name))
 }
 
-/// A NUL-terminated UTF-8 string argument.
-pub(crate) fn arg_str<'a>(ptr: *const c_char, name: &str) -> Result<&'a str, FfiError> {
+/// A non-NULL function-pointer argument.
+pub(crate) fn arg_fn<F>(f: Option<F>, name: &str) -> Result<F, FfiError> {
+    f.ok_or_else(|| null(name))
+}
+
+/// A NUL-terminated string argument taken as bytes (a name passed on to a vendor library).
+pub(crate) fn arg_cstr<'a>(ptr: *const c_char, name: &str) -> Result<&'a CStr, FfiError> {
     if ptr.is_null() {
         return Err(null(name));
     }
     // SAFETY: the caller guarantees a NUL-terminated string.
-    let bytes = unsafe { CStr::from_ptr(ptr) };
-    bytes.to_str().map_err(|e| {
+    Ok(unsafe { CStr::from_ptr(ptr) })
+}
+
+/// A NUL-terminated UTF-8 string argument.
+pub(crate) fn arg_str<'a>(ptr: *const c_char, name: &str) -> Result<&'a str, FfiError> {
+    arg_cstr(ptr, name)?.to_str().map_err(|e| {
         FfiError::new(
             FSDPTURBO_ERR_UTF8,
             format!("argument `{name}` is not valid UTF-8 (at byte {})", e.valid_up_to()),

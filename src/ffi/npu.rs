@@ -2,17 +2,15 @@
 //! matmul, MoE token permute/unpermute and the MC2 operators, on strided device views, each
 //! with a workspace from the caller's allocator and launched on the caller's `aclrtStream`.
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{c_char, c_void};
 
 use super::dtype::float_dtype_arg;
 use super::error::FfiError;
-use super::handle::{arg_ref, arg_slice, invalid, write_out};
+use super::handle::{arg_cstr, arg_fn, arg_ref, arg_slice, invalid, write_out};
 use super::panic::boundary;
-use super::status::FSDPTURBO_ERR_NULL_ARGUMENT;
-use crate::backend::acl::{ACL_BF16, ACL_DOUBLE, ACL_FLOAT, ACL_FLOAT16, ACL_INT32, ACL_INT64, ACL_UINT8};
+use crate::backend::acl::{ACL_BF16, ACL_FLOAT16, ACL_INT32, ACL_INT64, acl_dtype};
 use crate::backend::aclnn::mc2::Exchange;
 use crate::backend::aclnn::{Aclnn, View};
-use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind};
 
 /// A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
@@ -46,16 +44,9 @@ pub struct fsdpturbo_npu_exchange_t {
     pub trans_weight: bool,
 }
 
-fn acl_dtype(code: i32) -> Result<i32, FfiError> {
-    Ok(match float_dtype_arg(code, "dtype")? {
-        Dtype::F32 => ACL_FLOAT,
-        Dtype::F64 => ACL_DOUBLE,
-        Dtype::F16 => ACL_FLOAT16,
-        Dtype::Bf16 => ACL_BF16,
-        Dtype::U8 => ACL_UINT8,
-        Dtype::I32 => ACL_INT32,
-        Dtype::I64 => ACL_INT64,
-    })
+/// The `aclDataType` of a floating-point FSDPTURBO_DTYPE_* code.
+fn acl_float_dtype(code: i32) -> Result<i32, FfiError> {
+    Ok(acl_dtype(float_dtype_arg(code, "dtype")?))
 }
 
 fn view<'a>(v: *const fsdpturbo_npu_view_t, dtype: i32, name: &str) -> Result<View<'a>, FfiError> {
@@ -83,7 +74,7 @@ fn workspace(
     alloc: fsdpturbo_npu_alloc_fn,
     ctx: *mut c_void,
 ) -> Result<impl FnMut(u64) -> crate::error::Result<*mut c_void>, FfiError> {
-    let alloc = alloc.ok_or_else(|| FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`alloc` is NULL"))?;
+    let alloc = arg_fn(alloc, "alloc")?;
     Ok(move |bytes: u64| {
         // SAFETY: the caller's allocator and context.
         let p = unsafe { alloc(ctx, bytes) };
@@ -99,13 +90,8 @@ fn workspace(
 
 fn exchange<'a>(e: *const fsdpturbo_npu_exchange_t) -> Result<Exchange<'a>, FfiError> {
     let e = arg_ref(e, "exchange")?;
-    if e.group.is_null() {
-        return Err(FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, "`exchange.group` is NULL"));
-    }
-    // SAFETY: a NUL-terminated string (caller's contract).
-    let group = unsafe { CStr::from_ptr(e.group) };
     Ok(Exchange {
-        group,
+        group: arg_cstr(e.group, "exchange.group")?,
         ep_world_size: e.ep_world_size,
         send_counts: arg_slice(e.send_counts, e.counts_len, "exchange.send_counts")?,
         recv_counts: arg_slice(e.recv_counts, e.counts_len, "exchange.recv_counts")?,
@@ -114,7 +100,7 @@ fn exchange<'a>(e: *const fsdpturbo_npu_exchange_t) -> Result<Exchange<'a>, FfiE
 }
 
 fn mc2_dtype(code: i32) -> Result<i32, FfiError> {
-    match acl_dtype(code)? {
+    match acl_float_dtype(code)? {
         t @ (ACL_BF16 | ACL_FLOAT16) => Ok(t),
         _ => Err(invalid(
             "the MC2 operators take bfloat16 or float16 (FSDPTURBO_DTYPE_BF16 or _F16) only".into(),
@@ -146,7 +132,7 @@ pub extern "C" fn fsdpturbo_npu_grouped_mm(
                 "split_item {split_item} with group_type {group_type}: accepted are 2 with 0, 3 with 2"
             )));
         }
-        let t = acl_dtype(dtype)?;
+        let t = acl_float_dtype(dtype)?;
         let (x, weight, out) = (view(x, t, "x")?, view(weight, t, "weight")?, view(out, t, "out")?);
         let group_list = view(group_list, ACL_INT64, "group_list")?;
         let mut workspace = workspace(alloc, alloc_ctx)?;
@@ -181,7 +167,7 @@ pub extern "C" fn fsdpturbo_npu_moe_token_permute(
     stream: *mut c_void,
 ) -> i32 {
     boundary(|| {
-        let t = acl_dtype(dtype)?;
+        let t = acl_float_dtype(dtype)?;
         let (tokens, permuted) = (view(tokens, t, "tokens")?, view(permuted, t, "permuted")?);
         let (indices, sorted) =
             (view(indices, ACL_INT32, "indices")?, view(sorted_indices, ACL_INT32, "sorted_indices")?);
@@ -209,7 +195,7 @@ pub extern "C" fn fsdpturbo_npu_moe_token_unpermute(
     stream: *mut c_void,
 ) -> i32 {
     boundary(|| {
-        let t = acl_dtype(dtype)?;
+        let t = acl_float_dtype(dtype)?;
         let (permuted, out) = (view(permuted, t, "permuted")?, view(out, t, "out")?);
         let sorted = view(sorted_indices, ACL_INT32, "sorted_indices")?;
         let probs = optional_view(probs, t, "probs")?;

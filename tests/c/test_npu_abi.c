@@ -34,7 +34,7 @@ int main(void) {
   CHECK(last_error_contains("exchange.send_counts"));
   CHECK_STATUS(fsdpturbo_npu_moe_token_permute(FSDPTURBO_DTYPE_BF16, &v, &v, &v, &v, NULL, NULL, NULL),
                FSDPTURBO_ERR_NULL_ARGUMENT);
-  CHECK(last_error_contains("`alloc` is NULL"));
+  CHECK(last_error_contains("argument `alloc` must not be NULL"));
   CHECK_STATUS(fsdpturbo_npu_moe_token_unpermute(99, &v, &v, NULL, &v, never_alloc, NULL, NULL),
                FSDPTURBO_ERR_INVALID_ARGUMENT);
   char name[16];

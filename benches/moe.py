@@ -49,12 +49,14 @@ def routing(tokens=16384, top_k=8, num_experts=128, ep_size=8):
 
 
 def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16, top_k=4, *, capacity=None,
-               compiled=False, device="cpu"):
+               compiled=False, device="cpu", trained=True, lora_rank=0):
     """One forward + backward of a Qwen3-MoE sparse block under `dispatcher` (ep 1), its weights
     drawn from N(0, 0.02) (Hugging Face leaves them uninitialised: zeros here, which would send
     every token to the same experts); with a `Capacity`, the capacity-bounded dispatch;
-    `compiled`: under torch.compile (inductor). `step(set_to_none=False)` keeps the gradient
-    buffers (CUDA-graph capture)."""
+    `compiled`: under torch.compile (inductor); not `trained`: the block's weights frozen (the
+    input's gradient still computed); `lora_rank`: PEFT's LoRA of that rank on both expert
+    weights (fsdpturbo.expert_lora), its factors from N(0, 0.02) too. `step(set_to_none=False)`
+    keeps the gradient buffers (CUDA-graph capture)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -63,6 +65,12 @@ def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16
                             num_experts_per_tok=top_k)
     config._experts_implementation = "eager"
     moe = Qwen3MoeSparseMoeBlock(config).to(device=device, dtype=dtype)
+    moe.requires_grad_(trained)
+    if lora_rank:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                           target_parameters=["experts.gate_up_proj", "experts.down_proj"]), moe)
     with torch.no_grad():
         for param in moe.parameters():
             param.normal_(0, 0.02)

@@ -501,6 +501,47 @@ pub fn rank_plan(
     Ok(RankPlan { rank, ep_rank: coord.ep, local_expert_indices, expert_ids_per_ep_rank, memory })
 }
 
+/// What `rank` holds with LoRA of rank `lora_rank` on every 3-D expert weight of the EP modules
+/// (fsdpturbo.expert_lora) and every other parameter frozen: the frozen parameters as in
+/// `rank_plan`, plus the adapters (`{weight}_lora_down` [E, r, in] and `{weight}_lora_up`
+/// [E, out, r], sharded like the expert weight: dim 0 over ep, dim 1 over efsdp), whose
+/// gradients and AdamW moments are the only ones.
+pub fn expert_lora_memory(
+    plan: &Plan,
+    tree: &ModelTree,
+    topology: &Topology,
+    bf16: bool,
+    rank: u64,
+    lora_rank: u64,
+) -> Result<Memory> {
+    let coord = coordinates(topology, rank)?;
+    let base = rank_plan(plan, tree, topology, bf16, rank)?.memory;
+    let ep_modules: HashSet<&str> = plan.ep_modules.iter().map(|m| m.name.as_str()).collect();
+    let adapter_elements: u64 = tree
+        .params
+        .iter()
+        .filter(|p| {
+            p.shape.len() == 3 && p.name.rsplit_once('.').is_some_and(|(owner, _)| ep_modules.contains(owner))
+        })
+        .flat_map(|p| {
+            let (experts, out, input) = (p.shape[0], p.shape[1], p.shape[2]);
+            [vec![experts, lora_rank, input], vec![experts, out, lora_rank]]
+        })
+        .map(|shape| {
+            let factor = ParamInfo { name: String::new(), shape };
+            local_shape(&factor, ParamRole::Expert, topology, &coord).iter().product::<u64>()
+        })
+        .sum();
+    let adapter_bytes = adapter_elements * if bf16 { 2 } else { 4 };
+    Ok(Memory {
+        param_elements: base.param_elements + adapter_elements,
+        param_bytes: base.param_bytes + adapter_bytes,
+        grad_bytes: adapter_bytes,
+        optimizer_bytes: 2 * adapter_bytes,
+        total_bytes: base.param_bytes + 4 * adapter_bytes,
+    })
+}
+
 /// Each EP rank's expert range `[start, end)` for the first EP module (all EP modules of the
 /// built-in families have the same count).
 pub fn expert_owners(plan: &Plan, topology: &Topology) -> Vec<(u64, u64)> {

@@ -192,3 +192,25 @@ fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
     assert!(text.contains("cp: cp_size 2 does not divide text_config.linear_num_value_heads (33)"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Expert LoRA on the example (Qwen3-30B-A3B, 48 layers of 128 experts, hidden 2048, expert
+/// width 768; ep 8 × efsdp 4 on 32 ranks), computed by hand: rank r adds r·(2048 + 1536) +
+/// r·(768 + 2048) elements per expert and layer, 1/32 of them on each rank; the gradients and
+/// both AdamW moments are the adapters' only.
+#[test]
+fn expert_lora_memory_counts_the_adapters_and_only_their_gradients_and_moments() {
+    let memory = |extra: &[&str]| {
+        let out = plan(&[&["plan", "--json"], extra].concat());
+        assert!(out.status.success(), "{}", stdout(&out));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        report["ranks"][5]["memory"].clone()
+    };
+    let (full, lora) = (memory(&[]), memory(&["--expert-lora-rank", "16"]));
+    let adapters: u64 = 48 * 128 * 16 * (2048 + 1536 + 768 + 2048) / 32;
+    assert_eq!(adapters, 19_660_800);
+    assert_eq!(lora["param_elements"].as_u64().unwrap(), full["param_elements"].as_u64().unwrap() + adapters);
+    assert_eq!(lora["grad_bytes"].as_u64().unwrap(), 2 * adapters); // bf16
+    assert_eq!(lora["optimizer_bytes"].as_u64().unwrap(), 4 * adapters);
+    assert_eq!(lora["total_bytes"].as_u64().unwrap(), lora["param_bytes"].as_u64().unwrap() + 6 * adapters);
+    assert_eq!(plan(&["plan", "--expert-lora-rank", "0"]).status.code(), Some(2));
+}

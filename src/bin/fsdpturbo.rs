@@ -13,12 +13,14 @@ use serde_json::{Value, json};
 
 const USAGE: &str = "\
 usage: fsdpturbo [plan] [--config TRAIN.yaml --model CONFIG.json --world-size N] [--rank R]
-                 [--device cpu|cuda|npu] [--json]
+                 [--device cpu|cuda|npu] [--expert-lora-rank R] [--json]
 
 With no --config/--model/--world-size it plans the built-in example: Qwen3-30B-A3B on 32 ranks
 with ep_size 8 (examples/configs/qwen3_30b_a3b_ep8.yaml, examples/models/qwen3_30b_a3b.json).
 --device is the accelerator of the planned launch (default cuda): what it cannot run (mc2 off an
 NPU) is a violation, as are valid settings that shard_model does not implement.
+--expert-lora-rank plans LoRA of that rank on the expert weights with every other parameter
+frozen: the memory table counts the adapters, and gradients and AdamW moments of them only.
 Exit status: 0 when the launch is valid, 1 when there are violations, 2 on a usage error.";
 
 const EXAMPLE_CONFIG: &str = include_str!("../../examples/configs/qwen3_30b_a3b_ep8.yaml");
@@ -31,6 +33,7 @@ struct Args {
     world_size: Option<u64>,
     rank: u64,
     device: String,
+    expert_lora_rank: Option<u64>,
     json: bool,
 }
 
@@ -44,8 +47,15 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Args, String> {
         Some("-h" | "--help") => return Err(String::new()),
         Some(other) => return Err(format!("unknown command {other:?}; the only command is `plan`")),
     }
-    let mut parsed =
-        Args { config: None, model: None, world_size: None, rank: 0, device: "cuda".into(), json: false };
+    let mut parsed = Args {
+        config: None,
+        model: None,
+        world_size: None,
+        rank: 0,
+        device: "cuda".into(),
+        expert_lora_rank: None,
+        json: false,
+    };
     while let Some(flag) = args.next() {
         let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
         let number = |name: &str, text: String| {
@@ -59,6 +69,10 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Args, String> {
             "--device" => match value("--device")?.as_str() {
                 device @ ("cpu" | "cuda" | "npu") => parsed.device = device.into(),
                 other => return Err(format!("--device must be cpu, cuda or npu, got {other:?}")),
+            },
+            "--expert-lora-rank" => match number("--expert-lora-rank", value("--expert-lora-rank")?)? {
+                0 => return Err("--expert-lora-rank must be at least 1".into()),
+                lora_rank => parsed.expert_lora_rank = Some(lora_rank),
             },
             "--json" => parsed.json = true,
             "-h" | "--help" => return Err(String::new()),
@@ -77,6 +91,7 @@ struct DryRun {
     title: String,
     world_size: u64,
     rank: u64,
+    expert_lora_rank: Option<u64>,
     violations: Vec<String>,
     config: Option<TrainConfig>,
     topology: Option<Topology>,
@@ -105,6 +120,7 @@ fn dry_run(args: &Args) -> DryRun {
         title,
         world_size,
         rank: args.rank,
+        expert_lora_rank: args.expert_lora_rank,
         violations: Vec::new(),
         config: None,
         topology: None,
@@ -164,7 +180,22 @@ fn dry_run(args: &Args) -> DryRun {
     match plan::resolve(&input) {
         Ok(resolved) => {
             for rank in 0..world_size {
-                match plan::rank_plan(&resolved, tree, topology, config.bf16, rank) {
+                let planned = plan::rank_plan(&resolved, tree, topology, config.bf16, rank).and_then(
+                    |mut rank_plan| {
+                        if let Some(lora_rank) = args.expert_lora_rank {
+                            rank_plan.memory = plan::expert_lora_memory(
+                                &resolved,
+                                tree,
+                                topology,
+                                config.bf16,
+                                rank,
+                                lora_rank,
+                            )?;
+                        }
+                        Ok(rank_plan)
+                    },
+                );
+                match planned {
                     Ok(rank_plan) => run.rank_plans.push(rank_plan),
                     Err(e) => run.violations.push(format!("plan for rank {rank}: {}", e.message)),
                 }
@@ -290,10 +321,13 @@ fn print_text(run: &DryRun) {
         plan.gradient_divide_factor,
         plan.seed_gradient_divide_factor.map_or("none".to_string(), |f| f.to_string())
     );
-    println!(
-        "memory per rank ({} storage; grads in the same dtype; AdamW moments 2× parameters):",
-        if config.bf16 { "bf16" } else { "f32" }
-    );
+    let trained = match run.expert_lora_rank {
+        Some(r) => {
+            format!("expert LoRA rank {r}, all else frozen; grads and AdamW moments of the adapters only")
+        }
+        None => "grads in the same dtype; AdamW moments 2× parameters".to_string(),
+    };
+    println!("memory per rank ({} storage; {trained}):", if config.bf16 { "bf16" } else { "f32" });
     println!(
         "  {:<12} {:>14} {:>12} {:>12} {:>12} {:>12}",
         "ranks", "param elems", "params", "grads", "adam", "total"
@@ -338,6 +372,7 @@ fn to_json(run: &DryRun) -> Value {
         "title": run.title,
         "world_size": run.world_size,
         "rank": run.rank,
+        "expert_lora_rank": run.expert_lora_rank,
         "valid": run.violations.is_empty(),
         "violations": run.violations,
         "config": run.config,

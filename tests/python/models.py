@@ -27,15 +27,16 @@ def tiny_config(family):
     return config
 
 
-def build_model(family, seed=0):
-    """The Hugging Face causal LM of `family`, initialised from `seed` (the same on every rank).
-    The text-only Qwen3.5 model's type is qwen3_5_moe_text, a built-in spec."""
+def build_model(family, seed=0, config=None):
+    """The Hugging Face causal LM of `family` (its `tiny_config` unless `config` is given),
+    initialised from `seed` (the same on every rank). The text-only Qwen3.5 model's type is
+    qwen3_5_moe_text, a built-in spec."""
     torch.manual_seed(seed)
     if family == "qwen3_5_moe":
         from transformers import Qwen3_5MoeForCausalLM as Model
     else:
         from transformers import Qwen3MoeForCausalLM as Model
-    return Model(tiny_config(family))
+    return Model(config or tiny_config(family))
 
 
 def batch(step, world):

@@ -5,6 +5,7 @@ what must be Python: torch DeviceMeshes, DTensors and torch.distributed calls.
 """
 from . import moe_ops
 from ._native import FsdpturboError, FsdpturboValueError, host_isa, ops
+from .adapters import load_lora_adapter, save_lora_adapter, save_merged_weights
 from .balance import balance_step
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import parse_train_config
@@ -29,7 +30,7 @@ __all__ = [
     "FSDPPlanConfig", "FsdpturboError", "FsdpturboValueError", "ParallelState", "balance_step", "clip_grad_norm_",
     "copy_weights_",
     "dispatch_op", "expert_fully_shard_modules", "expert_load", "expert_load_table", "full_state_dict", "gather_full", "get_model_spec", "get_op", "get_parallel_state",
-    "get_total_norm", "host_isa", "initialize_parallel_state", "load_checkpoint", "load_summary", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
+    "get_total_norm", "host_isa", "initialize_parallel_state", "load_checkpoint", "load_lora_adapter", "load_summary", "load_hf_weights", "local_shape_and_offset", "meta_parameters",
     "module_name_match", "ops", "parse_train_config", "patch_model_members", "record_routes", "replay_routes", "register_model_spec", "register_op", "reset_parallel_state", "resolve_plan",
-    "save_checkpoint", "save_hf_weights", "shard_model", "update_expert_bias", "warmup_grad_norm",
+    "save_checkpoint", "save_hf_weights", "save_lora_adapter", "save_merged_weights", "shard_model", "update_expert_bias", "warmup_grad_norm",
 ]

@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import balance, expert_bias
+from . import balance, expert_bias, expert_lora
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
 from ._dist import rank
@@ -63,10 +63,13 @@ def _apply_expert_sharding(model, config, topology, ep_mesh, efsdp_mesh, *, efsd
     `ep_mesh`) and `fully_shard` (EFSDP over `efsdp_mesh`: the plan's units; at efsdp = 1 the
     expert modules alone, so that their gradients are reduced by FSDP2, unless
     `efsdp_of_size_one` is False, as LlamaFactory does, leaving the reduction to expert
-    parallelism). Returns (model, plan, the parameters the outer FSDP2 ignores)."""
+    parallelism). PEFT's wrappers of expert weights are taken over first (`fsdpturbo.expert_lora`).
+    Returns (model, plan, the parameters the outer FSDP2 ignores)."""
     dist_config = config.values["dist"]
     spec = FSDPTurboEPModelSpec.get(model)
     model = spec.prepare(model) if spec is not None else model
+    if topology.ep_size > 1:
+        expert_lora.take_over(model)  # the plan sees the expert modules themselves
     plan = resolve_plan(model, config, topology)
     for warning in plan["warnings"]:
         logger.warning("fsdpturbo plan: %s", warning)
@@ -246,9 +249,15 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
     `state`: a `ParallelState` with torch meshes (default: the process-global one, else one
     made from `train_config` for the current world and made global). `device`: where meta
     tensors are materialised (default: the mesh device, the current one for cuda/npu).
+
+    A PEFT model is sharded through the model inside it and returned as itself; with ep > 1 its
+    LoRA adapters on the experts (`target_parameters`) move onto the expert modules first
+    (`fsdpturbo.expert_lora`).
+
     Collective: every rank calls it with the same arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    given, model = model, expert_lora.inner_model(model)
     config, sources = _read_inputs(train_config, weights)
     cfg = config.values
     check_same_on_every_rank({"training configuration": cfg, "model structure": model_structure(model), **sources},
@@ -275,4 +284,4 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
                       if dist_config["offload_params"] else None)
     materialize(model, device, weights, dcp_path=dcp_path)
     warmup_grad_norm(model)
-    return model
+    return given

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from . import dispatch, ep_state, router_replay
+from . import dispatch, ep_state, expert_lora, router_replay
 from .consistency import check_same_on_every_rank, model_structure
 from .dispatch import get_dispatcher_fn  # also imported from here by fsdp_turbo (the seed's path)
 from .dispatch.experts import GradientReduction
@@ -58,25 +58,34 @@ def expert_parallelize_modules(model, ep_mesh, plan):
 
     The routers beside the expert modules (Qwen3 / Qwen3.5 MoE) record their routes for
     activation checkpointing and `fsdpturbo.router_replay` (the recomputation takes the first
-    forward's routes)."""
+    forward's routes).
+
+    PEFT's wrappers of expert weights (LoRA with `target_parameters`) are taken over first
+    (`fsdpturbo.expert_lora.take_over`): each expert's adapter is sharded with the expert, and
+    the dispatcher applies it on the routed rows."""
     dispatch.check_implemented(plan.dispatcher)
     dispatcher = getattr(plan.dispatcher, "__qualname__", plan.dispatcher)
     check_same_on_every_rank({"ep size": ep_mesh.size(), "model structure": model_structure(model),
                               "EP plan": (plan.apply_modules, dispatcher, plan.fixed_router, plan.apply_efsdp_modules,
                                           plan.gradient_divide_factor, plan.capacity)}, "expert_parallelize_modules")
+    expert_lora.take_over(model)
+    matched = match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan)
+    for name, module in matched:
+        if expert_lora.expert_lora(module) is not None:
+            dispatch.check_lora(plan.dispatcher, name)
     ep_group = ep_mesh.get_group()
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router, capacity=plan.capacity)
     reduction = GradientReduction(tuple(replica_groups(ep_mesh)), gradient_divide_factor(plan))
     names = []
-    for name, module in match_modules(model, plan.apply_modules or [], "[Expert Parallel]", plan):
+    for name, module in matched:
         names.append(name)
         num_experts = module.num_experts if hasattr(module, "num_experts") else len(module)
         if num_experts % ep_size:
             raise AssertionError(f"Number of experts({num_experts}) is not divisible by ep size({ep_size}).")
         ep_state.attach(module, ep_state.EPModuleState(
             name=name, num_global_experts=num_experts, num_local_experts=num_experts // ep_size, ep_rank=ep_rank,
-            dispatcher=forward, gradient_reduction=reduction))
+            dispatcher=forward, gradient_reduction=reduction, lora=expert_lora.expert_lora(module)))
         distribute_expert_weights(module, ep_mesh)
         dispatch.install(module)
     router_replay.install(model, names, decoder_layers(model))

@@ -60,8 +60,9 @@ class RouterState:
 class EPModuleState:
     """An expert module under expert parallelism: its name in the model, E and L, its ep rank, the
     bound dispatcher its forward runs, what the backward does to its weights' gradients while
-    expert parallelism alone owns them (None once EFSDP does), its tally of routes, and its
-    router when it has one."""
+    expert parallelism alone owns them (None once EFSDP does), its tally of routes, its router
+    when it has one, and its LoRA adapters when it has them (its `ExpertLoRA` child,
+    fsdpturbo.expert_lora)."""
     name: str
     num_global_experts: int
     num_local_experts: int
@@ -70,6 +71,7 @@ class EPModuleState:
     gradient_reduction: Optional[object]
     tally: Tally = dataclasses.field(default_factory=Tally)
     router: Optional[RouterState] = None
+    lora: Optional[torch.nn.Module] = None
 
 
 def state(module):

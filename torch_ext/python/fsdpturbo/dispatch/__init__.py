@@ -25,16 +25,19 @@ from .fused import fused_forward
 class Dispatcher:
     """A named dispatcher: `forward(module, hidden_states, top_k_index, top_k_weights, *,
     ep_group, fixed_router)`, `check(ep_group)`, what rules it out when it is bound (the host,
-    the group size), and the expert kernels of its capacity-bounded mode (None: it has none)."""
+    the group size), the expert kernels of its capacity-bounded mode (None: it has none), and
+    whether its expert compute applies LoRA adapters (fsdpturbo.expert_lora)."""
     name: str
     forward: Callable
     check: Optional[Callable] = None
     capacity_kernels: Optional[object] = None
+    lora: bool = True
 
 
 DISPATCHERS = {d.name: d for d in (Dispatcher("eager", eager_forward, capacity_kernels=kernels.TORCH),
                                    Dispatcher("fused", fused_forward, capacity_kernels=kernels.OP_LIBRARY),
-                                   Dispatcher("mc2", mc2.mc2_forward, mc2.check_available),
+                                   # its first grouped matmul is fused with the all-to-all
+                                   Dispatcher("mc2", mc2.mc2_forward, mc2.check_available, lora=False),
                                    Dispatcher("domino", domino_forward))}
 NOT_IMPLEMENTED = ("moonep",)  # accepted by the seed's configuration, not implemented here
 
@@ -43,6 +46,17 @@ def check_implemented(name):
     """Raises NotImplementedError for a dispatcher the seed names but fsdpturbo does not build."""
     if isinstance(name, str) and name in NOT_IMPLEMENTED:
         raise NotImplementedError(f"The {name!r} dispatcher is not implemented by fsdpturbo.")
+
+
+def check_lora(dispatcher, module_name):
+    """Raises for a dispatcher whose expert compute does not apply the LoRA adapters of expert
+    module `module_name` (mc2, a user's callable)."""
+    entry = DISPATCHERS.get(dispatcher) if isinstance(dispatcher, str) else None
+    if entry is None or not entry.lora:
+        applying = sorted(name for name, d in DISPATCHERS.items() if d.lora)
+        raise ValueError(f"fsdpturbo: {module_name} has LoRA adapters on its experts, which the dispatcher "
+                         f"{getattr(dispatcher, '__qualname__', dispatcher)!r} does not apply; expert LoRA runs with "
+                         f"the dispatchers {applying}")
 
 
 def lookup(name):
@@ -110,4 +124,4 @@ def install(module):
 
 
 __all__ = ["BoundDispatcher", "Capacity", "DISPATCHERS", "Dispatcher", "NOT_IMPLEMENTED", "UserDispatcher",
-           "check_implemented", "get_dispatcher_fn", "install", "lookup", "moe_forward"]
+           "check_implemented", "check_lora", "get_dispatcher_fn", "install", "lookup", "moe_forward"]

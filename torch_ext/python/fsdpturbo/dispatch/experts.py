@@ -1,14 +1,18 @@
 """Expert compute: the local experts' MLP on rows already grouped by local expert, as a loop of
 per-expert matmuls (the seed's `experts_computation`) or as two grouped matmuls (the op
 library's `grouped_mm`), and the expert weights as the forward uses them (local slices whose
-backward reduces the gradient while expert parallelism alone owns it)."""
+backward reduces the gradient while expert parallelism alone owns it), each with its LoRA
+adapter when it has one (fsdpturbo.expert_lora)."""
 import dataclasses
+import functools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .. import expert_lora
 from .._native import ops
 from ..ep_state import state
 
@@ -57,9 +61,47 @@ def expert_weight(module, name):
     return local
 
 
-def expert_weights(module):
-    """The local (gate_up_proj, down_proj) slices: [L, 2·I, H] and [L, H, I]."""
-    return expert_weight(module, "gate_up_proj"), expert_weight(module, "down_proj")
+@dataclasses.dataclass(frozen=True)
+class ExpertProjection:
+    """An expert weight as the forward applies it: the local slice [L, out, in] and, while a
+    LoRA adapter on it applies, the adapter's local factors down [L, r, in] and up [L, out, r]
+    and its scaling s."""
+    weight: torch.Tensor
+    lora: Optional[tuple] = None  # (down, up, scaling)
+
+    def __call__(self, x, matmul):
+        """The rows `x` through the projection: `matmul(x, w)` multiplies each row by its
+        expert's w [L, ·, ·] transposed (the kernel's grouping of the rows), and the adapter
+        adds s·(x·downᵀ)·upᵀ: two rank-r matmuls, no merged copy of the weight."""
+        out = matmul(x, self.weight)
+        if self.lora is None:
+            return out
+        down, up, scaling = self.lora
+        return out + matmul(matmul(x, down) * scaling, up)
+
+
+def _projection(module, name):
+    lora = state(module).lora
+    adapter = None if lora is None else lora.active(name)
+    lora = None if adapter is None else (expert_weight(module, expert_lora.down_name(name)),
+                                         expert_weight(module, expert_lora.up_name(name)), adapter.scaling)
+    return ExpertProjection(expert_weight(module, name), lora)
+
+
+def expert_projections(module):
+    """The local (gate_up_proj, down_proj) as `ExpertProjection`s: [L, 2·I, H] and [L, H, I]."""
+    return tuple(_projection(module, name) for name in expert_lora.ADAPTED_WEIGHTS)
+
+
+def _expert_linear(x, weight, expert):
+    """The rows `x` of one expert times its weight transposed."""
+    return F.linear(x, weight[expert])
+
+
+def grouped_linear(x, weight, counts):
+    """The rows `x`, grouped by local expert (`counts` rows each), each times its expert's
+    weight transposed: the op library's grouped matmul."""
+    return ops.grouped_mm(x.contiguous(), counts, weight)
 
 
 class _SiluGate(torch.autograd.Function):
@@ -111,14 +153,15 @@ def activation(module, gate_up):
 def mlp_loop(module, x, tokens_per_local_expert):
     """The expert MLP on rows grouped by local expert, one expert at a time (seed
     `experts_computation`)."""
-    gate_up, down = expert_weights(module)
+    gate_up, down = expert_projections(module)
     outputs, start = [], 0
     # Every local expert runs, also on zero rows, so each gets a (zero) weight gradient and
     # the gradient reductions of every rank line up.
     for expert, rows in enumerate(tokens_per_local_expert):
         chunk = x[start:start + rows]
         start += rows
-        outputs.append(F.linear(activation(module, F.linear(chunk, gate_up[expert])), down[expert]))
+        linear = functools.partial(_expert_linear, expert=expert)
+        outputs.append(down(activation(module, gate_up(chunk, linear)), linear))
     return torch.cat(outputs)
 
 
@@ -128,6 +171,6 @@ def grouped_mlp(module, grouped, per_expert, tokens_per_local_expert):
     local expert has a row, as the seed does."""
     if sum(tokens_per_local_expert) == 0:
         return mlp_loop(module, grouped, tokens_per_local_expert)
-    gate_up, down = expert_weights(module)
-    hidden = activation(module, ops.grouped_mm(grouped, per_expert, gate_up))
-    return ops.grouped_mm(hidden.contiguous(), per_expert, down)
+    gate_up, down = expert_projections(module)
+    linear = functools.partial(grouped_linear, counts=per_expert)
+    return down(activation(module, gate_up(grouped, linear)), linear)

@@ -4,6 +4,8 @@ torch's reference ops (`TORCH`: the eager and domino dispatchers) or the op libr
 (`unpermute`), runs the local experts on rows grouped by local expert (`mlp`) or on a padded
 batch of equally many rows per expert (`padded_mlp`), and, for the capacity-bounded mode, copies
 each token once per slot (`slot_rows`) and combines each token's slots (`combine_slots`)."""
+import functools
+
 import torch
 
 from .._native import ops
@@ -15,6 +17,10 @@ def weighted_sum(per_slot, weights):
     f32 (f64 for f64), rounded once, which is the fused kernel's arithmetic."""
     acc = torch.float64 if per_slot.dtype == torch.float64 else torch.float32
     return (per_slot.to(acc) * weights.unsqueeze(-1).to(acc)).sum(1).to(per_slot.dtype)
+
+
+def _batched_linear(x, weight):
+    return torch.bmm(x, weight.transpose(1, 2))
 
 
 def inverse(permutation):
@@ -46,9 +52,8 @@ class TorchKernels:
     def padded_mlp(module, x):
         """The local experts' MLP on [L, rows, H] (every expert the same number of rows, empty
         ones zero) as batched matmuls."""
-        gate_up, down = experts.expert_weights(module)
-        hidden = experts.activation(module, torch.bmm(x, gate_up.transpose(1, 2)))
-        return torch.bmm(hidden, down.transpose(1, 2))
+        gate_up, down = experts.expert_projections(module)
+        return down(experts.activation(module, gate_up(x, _batched_linear)), _batched_linear)
 
     @staticmethod
     def slot_rows(hidden, top_k):
@@ -82,11 +87,11 @@ class OpLibraryKernels:
         matmuls, as the op library's grouped matmul reads its counts on the host there."""
         if x.device.type != "cpu":
             return TorchKernels.padded_mlp(module, x)
-        gate_up, down = experts.expert_weights(module)
+        gate_up, down = experts.expert_projections(module)
         local, rows, width = x.shape
-        counts = torch.full((local,), rows, dtype=torch.int64)
-        hidden = experts.activation(module, ops.grouped_mm(x.reshape(local * rows, width), counts, gate_up))
-        return ops.grouped_mm(hidden.contiguous(), counts, down).view(local, rows, -1)
+        linear = functools.partial(experts.grouped_linear, counts=torch.full((local,), rows, dtype=torch.int64))
+        return down(experts.activation(module, gate_up(x.reshape(local * rows, width), linear)), linear).view(
+            local, rows, -1)
 
     @staticmethod
     def slot_rows(hidden, top_k):

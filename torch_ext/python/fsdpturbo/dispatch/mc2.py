@@ -111,7 +111,7 @@ class Mc2Strategy(TokenPermuteStrategy):
         return self.permute(hidden, route)
 
     def compute(self, module, received, route, ep_group):
-        gate_up, down = experts.expert_weights(module)
+        gate_up, down = (projection.weight for projection in experts.expert_projections(module))  # no LoRA here
         sends, blocks = route.receive.sends, route.receive.blocks
         hidden = experts.activation(module, alltoallv_gmm(received, gate_up, ep_group, sends, blocks))
         return gmm_alltoallv(hidden, down, ep_group, blocks, sends)

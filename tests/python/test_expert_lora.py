@@ -1,0 +1,372 @@
+"""LoRA on the experts (fsdpturbo.expert_lora): a PEFT model with adapters on the expert weights
+(`target_parameters`) and on attention (`target_modules`), sharded by `shard_model` on gloo
+ranks, against the same PEFT model in one process on the whole global batch
+(fsdpturbo.parity): loss, every adapter gradient, the grad norm and the adapters after AdamW
+steps, element by element, with activation checkpointing and gradient accumulation; the base
+weights frozen (no gradient, no optimizer state)."""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from dist_util import run_ranks
+from models import build_model, full, layout_state, train_config
+
+pytestmark = [pytest.mark.parity]
+
+SEQ, MICRO_BATCHES, STEPS, LR = 6, 2, 2, 1e-3
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def tiny_config(family):
+    """models.tiny_config with moe_intermediate_size 12: no expert weight is square
+    ([E, 24, 16] and [E, 16, 12]), so a transposed factor cannot pass."""
+    config = models.tiny_config(family)
+    config.moe_intermediate_size = 12
+    return config
+
+
+def build_peft_model(family="qwen3_moe", seed=0, adapter_seed=0, r=2, expert_targets=EXPERT_TARGETS):
+    """The PEFT model of `family`'s tiny causal LM (base weights from `seed`): rank-`r` LoRA on
+    q_proj, v_proj and the expert weights, every adapter factor random from `adapter_seed`
+    (PEFT starts lora_B at zero, which would leave half the gradients zero)."""
+    from peft import LoraConfig, get_peft_model
+
+
+    model = build_model(family, seed, tiny_config(family))
+    config = LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=["q_proj", "v_proj"],
+                        target_parameters=list(expert_targets))
+    model = get_peft_model(model, config)
+    g = torch.Generator().manual_seed(adapter_seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    return model
+
+
+def peft_full(model, tensors):
+    """Full tensors by the names of the sharded PEFT `model`, gathered, by the names and in the
+    layout of the one-process PEFT model."""
+    from fsdpturbo import expert_lora
+
+    return expert_lora.to_peft(model, {name: full(t) for name, t in tensors.items()})
+
+
+def test_engine_factors_reproduce_peft_delta_weight():
+    """The engine's per-expert factors give PEFT's own ΔW (ParamWrapper.get_delta_weight) for
+    every expert, and convert back to PEFT's matrices bitwise."""
+    from fsdpturbo import expert_lora
+
+    model = build_peft_model().double()
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    wrappers = [experts, experts.base_layer]
+    assert {w.parameter_name for w in wrappers} == {"gate_up_proj", "down_proj"}
+    for wrapper in wrappers:
+        lora_a, lora_b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+        num_experts = wrapper.num_experts
+        down, up = expert_lora.engine_factors(lora_a, lora_b, num_experts)
+        assert down.shape[:2] == up.shape[::2] == (num_experts, 2)
+        delta = wrapper.scaling["default"] * torch.bmm(up, down)
+        torch.testing.assert_close(delta, wrapper.get_delta_weight("default"), rtol=0, atol=1e-14)
+        assert torch.equal(expert_lora.peft_lora_a(up), lora_a) and torch.equal(expert_lora.peft_lora_b(down), lora_b)
+
+
+def _micro_batches(step, world):
+    """[MICRO_BATCHES, world, SEQ] token ids: each rank's row of each micro-batch."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 64, (MICRO_BATCHES, world, SEQ), generator=g)
+
+
+def accumulated_step(ids):
+    """The one-process reference's step: every micro-batch's whole-batch loss / MICRO_BATCHES,
+    backward after each (gradient accumulation), with the batch's rows in `order`."""
+
+    def step_fn(model, order):
+        total = 0.0
+        for micro in ids:
+            loss = model(input_ids=micro[order], labels=micro[order]).loss / MICRO_BATCHES
+            loss.backward()
+            total = total + loss.detach()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return {"loss": total, "grad norm": torch.nn.utils.get_total_norm(grads)}
+
+    return step_fn
+
+
+def _train_rank_fn(rank, world, layouts):
+    """Per layout: `STEPS` AdamW steps of MICRO_BATCHES micro-batches each, activation
+    checkpointing on; each step starts both references from the run's parameters, and the
+    references step with the run's clipped gradients (as test_train does)."""
+    from fsdpturbo import clip_grad_norm_, expert_lora
+    from fsdpturbo.engine import shard_model
+    from fsdpturbo.parity import Reference
+
+
+    for layout in layouts:
+        family = layout.get("family", "qwen3_moe")
+        where = f"{family} {layout}"
+        state = layout_state(world, layout["ep"], layout.get("efsdp"), 1)
+        reference = Reference(build_peft_model(family), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+        model = build_peft_model(family)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        config = train_config(layout["ep"], layout.get("efsdp"), dispatcher=layout["dispatcher"],
+                              capacity_factor=layout.get("capacity_factor"))
+        model = shard_model(model, config, state=state)
+        experts = model.get_base_model().model.layers[0].mlp.experts
+        # ep 1: no expert parallelism, PEFT's own wrappers stay (under the outer FSDP2)
+        assert (expert_lora.expert_lora(experts) is not None) == (layout["ep"] > 1), where
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        assert trainable == {name for name in trainable if "lora_" in name} and \
+            sum(".mlp.experts." in name for name in trainable) == 8, (where, sorted(trainable))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(STEPS):
+            reference.load(peft_full(model, dict(model.named_parameters())))
+            ids = _micro_batches(step, world)
+            losses = []
+            for micro in ids:
+                loss = model(input_ids=micro[rank:rank + 1], labels=micro[rank:rank + 1]).loss / MICRO_BATCHES
+                loss.backward()
+                losses.append(loss.detach())
+            gate = reference.step(accumulated_step(ids), rows=world)
+            mean_loss = torch.stack(losses).sum()
+            dist.all_reduce(mean_loss)
+            gate.check("loss", mean_loss / world, f"{where} step {step}")
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad), where
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            gate.check_all({f"grad {name}": g for name, g in peft_full(model, grads).items()}, f"{where} step {step}")
+            gate.check("grad norm", clip_grad_norm_(model, 1.0), f"{where} step {step}")
+            gate = reference.optimizer_step(peft_full(model, {n: p.grad for n, p in model.named_parameters()
+                                                              if p.requires_grad}))
+            optimizer.step()
+            optimizer.zero_grad()
+            assert {id(p) for p in optimizer.state} == {id(p) for p in model.parameters() if p.requires_grad}, where
+            gate.check_all(peft_full(model, dict(model.named_parameters())), f"{where} after step {step}")
+
+
+# On 4 ranks; efsdp None = dp/ep (2 with ep 2, 1 with ep 4). Capacity factor 8: room for every slot.
+LAYOUTS = [dict(ep=2, dispatcher="eager"), dict(ep=4, dispatcher="fused"), dict(ep=2, efsdp=1, dispatcher="domino"),
+           dict(ep=2, dispatcher="fused", capacity_factor=8.0),
+           dict(ep=2, dispatcher="eager", capacity_factor=8.0, family="qwen3_5_moe"), dict(ep=1, dispatcher="eager")]
+
+
+def test_expert_lora_training_equals_one_process_peft():
+    """(ep 2, efsdp 2) eager, (ep 4) fused, (ep 2, efsdp 1, edp 2) domino and the capacity-bounded
+    dispatch (fused; eager on Qwen3.5-MoE) on 4 ranks, and ep 1 (FSDP2 alone): the PEFT model's
+    loss, every adapter gradient (experts and attention), the grad norm and every parameter
+    after each AdamW step equal the one-process PEFT model's, with activation checkpointing and
+    2 micro-batches of gradient accumulation; the base weights get no gradient and no optimizer
+    state."""
+    run_ranks(_train_rank_fn, 4, LAYOUTS, timeout=900)
+
+
+def _gathered_logits(model, ids):
+    """The logits of every rank's row of `ids` [world, SEQ] (each rank forwards its own), [world, SEQ, V]."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        logits = model(input_ids=ids[rank:rank + 1]).logits
+    out = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(out, logits.contiguous())
+    return torch.cat(out)
+
+
+def logits_gate(one_process, ids, adapters=True):
+    """The parity gate of the one-process PEFT model's logits on the batch `ids` (without
+    `adapters`: under PEFT's `disable_adapter()`)."""
+    from fsdpturbo.parity import Reference
+
+    def step_fn(model, order):
+        with torch.no_grad(), contextlib.nullcontext() if adapters else model.disable_adapter():
+            return {"logits": model(input_ids=ids[order]).logits[torch.argsort(order)]}
+
+    return Reference(one_process).step(step_fn, rows=ids.size(0))
+
+
+def _full_optimizer_state(model, optimizer):
+    """{parameter name: {state key: full tensor}} of `optimizer` over `model`."""
+
+    return {name: {k: full(v) for k, v in optimizer.state[p].items()}
+            for name, p in model.named_parameters() if p in optimizer.state}
+
+
+def _adapters_rank_fn(rank, world, tmp):
+    """Trained one step at (ep 2, efsdp 2), the adapter saved (PEFT's format), the training
+    checkpoint saved (DCP) and the merged weights saved; then PEFT loads the adapter onto the
+    unsharded model and reproduces the sharded logits, the merged checkpoint does too, and at
+    ep 4 a model with other adapters takes the saved adapter (load_lora_adapter) and another
+    the checkpoint (adapters and AdamW moments) bitwise; adapters that do not fit are refused,
+    naming the tensor or the setting."""
+    import os
+
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import fsdpturbo
+    from fsdpturbo.engine import shard_model
+
+    adapter_dir, ckpt_dir, merged_dir = (os.path.join(tmp, d) for d in ("adapter", "ckpt", "merged"))
+    ids = _micro_batches(0, world)[0]
+    model = shard_model(build_peft_model(), train_config(2, 2), state=layout_state(world, 2, 2, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    logits = _gathered_logits(model, ids)
+    adapter = peft_full(model, {n: p for n, p in model.named_parameters() if p.requires_grad})
+    moments = _full_optimizer_state(model, optimizer)
+    fsdpturbo.save_lora_adapter(model, adapter_dir)
+    fsdpturbo.save_checkpoint(model, optimizer, ckpt_dir)
+    fsdpturbo.save_merged_weights(model, merged_dir)
+
+    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    assert {k.replace("lora_A.weight", "lora_A.default.weight").replace("lora_B.weight", "lora_B.default.weight")
+            for k in saved} == set(adapter), sorted(saved)
+    unsharded = PeftModel.from_pretrained(build_model("qwen3_moe", 0, tiny_config("qwen3_moe")), adapter_dir)
+    gate = logits_gate(unsharded, ids)
+    gate.check("logits", logits, "sharded model against PEFT's load of its adapter")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    gate.check("logits", _local_logits(merged, ids), "the merged checkpoint")
+
+    state = layout_state(world, 4, None, 1)
+    other = shard_model(build_peft_model(adapter_seed=1), train_config(4), state=state)
+    fsdpturbo.load_lora_adapter(other, adapter_dir)
+    loaded = peft_full(other, {n: p for n, p in other.named_parameters() if p.requires_grad})
+    assert all(torch.equal(loaded[n], adapter[n]) for n in adapter)
+    gate.check("logits", _gathered_logits(other, ids), "ep 4 with the loaded adapter")
+
+    resumed = shard_model(build_peft_model(adapter_seed=1), train_config(4), state=state)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    fsdpturbo.load_checkpoint(resumed, resumed_optimizer, ckpt_dir)
+    assert all(torch.equal(t, adapter[n]) for n, t in
+               peft_full(resumed, {n: p for n, p in resumed.named_parameters() if p.requires_grad}).items())
+    resumed_moments = _full_optimizer_state(resumed, resumed_optimizer)
+    assert resumed_moments.keys() == moments.keys() and all(
+        torch.equal(resumed_moments[n][k], v) for n in moments for k, v in moments[n].items())
+
+    bad_dir = os.path.join(tmp, "bad")
+    key = next(k for k in saved if ".mlp.experts.base_layer.lora_A" in k)
+    if rank == 0:
+        os.makedirs(bad_dir)
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            config = f.read()
+        with open(os.path.join(bad_dir, "adapter_config.json"), "w") as f:
+            f.write(config)
+        save_file({**saved, key: saved[key][:-1]}, os.path.join(bad_dir, "adapter_model.safetensors"))
+    dist.barrier()
+    with pytest.raises(ValueError, match=key):
+        fsdpturbo.load_lora_adapter(other, bad_dir)
+    dist.barrier()
+    if rank == 0:
+        save_file({k: v for k, v in saved.items() if k != key}, os.path.join(bad_dir, "adapter_model.safetensors"))
+    dist.barrier()
+    with pytest.raises(KeyError, match=key):
+        fsdpturbo.load_lora_adapter(other, bad_dir)
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(bad_dir, "adapter_config.json"), "w") as f:
+            f.write(config.replace('"r": 2', '"r": 4'))
+    dist.barrier()
+    with pytest.raises(ValueError, match="has r = 4"):
+        fsdpturbo.load_lora_adapter(other, bad_dir)
+
+
+def _local_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_adapter_out_and_in_at_any_layout(tmp_path):
+    run_ranks(_adapters_rank_fn, 4, str(tmp_path), timeout=600)
+
+
+def loss_step(ids):
+    def step_fn(model, order):
+        loss = model(input_ids=ids[order], labels=ids[order]).loss
+        loss.backward()
+        return {"loss": loss}
+
+    return step_fn
+
+
+EXPERT_PATTERN = ["model.layers.{*}.mlp.experts"]
+
+
+def _drop_in_rank_fn(rank, world):
+    """The seed's entry point on the model inside a PEFT model, as LlamaFactory's engine calls
+    it (`fsdp_turbo...expert_parallelize_modules`, expert parallelism alone): the loss and the
+    expert adapters' gradients equal the one-process PEFT model's; PEFT's `disable_adapter()`
+    turns the expert adapters off (the logits are the base model's, and the logits with the
+    adapters are rejected against them); a user's callable dispatcher and a second adapter on
+    the experts are refused, naming the module."""
+    import fsdpturbo
+    from fsdp_turbo.distributed.expert_parallel.expert_parallel import expert_parallelize_modules
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+    from fsdpturbo.parity import ParityError, Reference
+
+    ep_mesh = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu").sub_mesh("ep")
+    reference = Reference(build_peft_model())
+    model = build_peft_model()
+    expert_parallelize_modules(model.get_base_model(), ep_mesh,
+                               EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher="fused"))
+    ids = _micro_batches(0, world)[0]
+    loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+    loss.backward()
+    gate = reference.step(loss_step(ids), rows=world)
+    dist.all_reduce(mean := loss.detach().clone())
+    gate.check("loss", mean / world, "drop-in")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and ".mlp.experts." in n}
+    assert len(grads) == 8
+    gate.check_all({f"grad {n}": g for n, g in peft_full(model, grads).items()}, "drop-in")
+
+    with model.disable_adapter():
+        without = _gathered_logits(model, ids)
+    base_gate = logits_gate(build_peft_model(), ids, adapters=False)
+    base_gate.check("logits", without, "disable_adapter()")
+    with pytest.raises(ParityError):
+        base_gate.check("logits", _gathered_logits(model, ids), "adapters on")
+
+    user = build_peft_model()
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts has LoRA adapters .* \['domino', 'eager'"):
+        expert_parallelize_modules(user.get_base_model(), ep_mesh,
+                                   EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher=lambda *args: None))
+    two = build_peft_model()  # PEFT's add_adapter refuses a second adapter on parameters; its layer API does not
+    two.get_base_model().model.layers[0].mlp.experts.update_layer("second", 2, lora_alpha=4, lora_dropout=0.0,
+                                                                  init_lora_weights=True, use_rslora=False)
+    with pytest.raises(ValueError, match=r"holds the LoRA adapters \['default', 'second'\]"):
+        expert_parallelize_modules(two.get_base_model(), ep_mesh,
+                                   EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher="eager"))
+
+
+def test_drop_in_entry_point_disable_adapter_and_refusals():
+    run_ranks(_drop_in_rank_fn, 2, timeout=300)
+
+
+def _compiled_rank_fn(rank, world):
+    """The capacity-bounded dispatch with expert LoRA compiled whole (inductor): loss and every
+    adapter gradient against the one-process PEFT model; no graph break but FSDP2's hooks."""
+    from test_compile import FSDP_HOOKS, _breaks
+
+    from fsdpturbo.engine import shard_model
+    from fsdpturbo.parity import Reference
+
+    reference = Reference(build_peft_model())
+    model = shard_model(build_peft_model(), train_config(2, dispatcher="fused", capacity_factor=8.0),
+                        state=layout_state(world, 2, None, 1))
+    ids = _micro_batches(0, world)[0]
+    loss = torch.compile(model)(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1], use_cache=False).loss
+    loss.backward()
+    gate = reference.step(loss_step(ids), rows=world)
+    dist.all_reduce(mean := loss.detach().clone())
+    gate.check("loss", mean / world, "compiled")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    gate.check_all({f"grad {n}": g for n, g in peft_full(model, grads).items()}, "compiled")
+    explained = torch._dynamo.explain(model)(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1], use_cache=False)
+    assert _breaks(explained) <= {FSDP_HOOKS}, _breaks(explained)
+
+
+def test_compiled_capacity_mode_with_expert_lora():
+    run_ranks(_compiled_rank_fn, 2, timeout=900)

@@ -1,0 +1,166 @@
+"""PEFT adapters in and out of a sharded PEFT model (`shard_model`'s, the LlamaFactory engine's;
+adapters on the experts per fsdpturbo.expert_lora), at any layout:
+
+* `save_lora_adapter`: every rank's shards gathered into a standard PEFT adapter directory
+  (adapter_config.json + adapter_model.safetensors: PEFT's names and shapes, written by PEFT's
+  own `save_pretrained`), which `PeftModel.from_pretrained` loads onto the unsharded model;
+* `load_lora_adapter`: such a directory into the sharded model, each rank taking its slices;
+* `save_merged_weights`: the full weights with the adapters merged by PEFT
+  (`merge_and_unload` on a one-process copy), a Hugging Face checkpoint for inference.
+
+What PEFT writes of a model (the active adapter's factors, `modules_to_save`, ...) is decided by
+PEFT itself (`get_peft_model_state_dict`), on placeholders of the model's parameters in PEFT's
+names and layout, so the three agree with PEFT by construction.
+"""
+import copy
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import expert_lora
+from .placement import copy_weights_, gather_full
+from .weights import check_files, full_state_dict, meta_parameters
+
+__all__ = ["load_lora_adapter", "save_lora_adapter", "save_merged_weights"]
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The adapter settings that decide the factors' shapes and what they compute: a file must agree.
+_MATCHING_SETTINGS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+                      "target_modules", "target_parameters")
+
+
+def _peft_model(model, what):
+    peft = expert_lora.peft_classes()
+    if peft is None or not isinstance(model, peft.PeftModel):
+        raise TypeError(f"fsdpturbo.{what}: expects a PEFT model (peft.PeftModel, as shard_model returns it), got "
+                        f"{type(model).__qualname__}")
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """A tensor of the adapter file: the model's parameter and its PEFT name and layout."""
+    param: nn.Parameter
+    peft: expert_lora.PeftName
+
+
+def _peft_shape(entry):
+    return tuple(entry.peft.to_peft(torch.empty(entry.param.shape, device="meta")).shape)
+
+
+def _entries(model):
+    """{key in the adapter file: `_Entry`}, in PEFT's order: what PEFT saves of `model`'s active
+    adapter, chosen by PEFT on meta placeholders."""
+    from peft.utils import get_peft_model_state_dict
+
+    names = expert_lora.peft_names(model)
+    placeholders, owners = {}, {}
+    for name, param in model.named_parameters():
+        peft = names.get(name, expert_lora.PeftName(name))
+        placeholder = peft.to_peft(torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        placeholders[peft.name], owners[id(placeholder)] = placeholder, _Entry(param, peft)
+    kept = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=model.active_adapter)
+    return {key: owners[id(value)] for key, value in kept.items()}
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_writer(rank):
+    return not dist.is_initialized() or dist.get_rank() == rank
+
+
+def save_lora_adapter(model, path, rank=0):
+    """Saves the active adapter of the PEFT model `model` (sharded or not) as a PEFT adapter
+    directory at `path`: each tensor PEFT saves is gathered from every rank's shards
+    (collective), in PEFT's layout (expert adapters: `lora_A` [r·E, out], `lora_B` [in, r·E]),
+    then rank `rank` writes them with PEFT's `save_pretrained`. Every rank returns `path` after
+    the files exist."""
+    model = _peft_model(model, "save_lora_adapter")
+    state = {}
+    for entry in _entries(model).values():
+        param = entry.param
+        full = gather_full(param) if isinstance(param, DTensor) else param.detach()
+        if _is_writer(rank):
+            state[entry.peft.name] = entry.peft.to_peft(full).cpu().contiguous()
+    if _is_writer(rank):
+        model.save_pretrained(os.fspath(path), state_dict=state)
+    _barrier()
+    return path
+
+
+def _check_config(model, path):
+    """Raises ValueError naming the first setting in which the adapter at `path` (its config read
+    by PEFT) differs from the model's active adapter."""
+    from peft import PeftConfig
+
+    saved = PeftConfig.from_pretrained(os.fspath(path))
+    ours = model.peft_config[model.active_adapter]
+    for setting in _MATCHING_SETTINGS:
+        mine, theirs = getattr(ours, setting, None), getattr(saved, setting, None)
+        if mine != theirs:
+            raise ValueError(f"fsdpturbo.load_lora_adapter: the adapter {os.fspath(path)!r} has {setting} = "
+                             f"{theirs!r}, the model's adapter {model.active_adapter!r} has {mine!r}")
+
+
+def load_lora_adapter(model, path):
+    """Loads the PEFT adapter directory at `path` (`save_lora_adapter`'s, PEFT's own, saved at
+    any layout or by one process) into the active adapter of the PEFT model `model`, sharded
+    or not: each rank copies its slices. The adapter must have the model's settings (rank,
+    alpha, targets: ValueError naming the setting) and exactly the tensors PEFT saves of the
+    model, each in its shape (KeyError listing the missing and unexpected keys, ValueError
+    naming the tensor and both shapes), checked before anything is copied. The file's header
+    is validated before it is read; reading it runs no code. Returns the keys loaded."""
+    from safetensors.torch import load_file
+
+    model = _peft_model(model, "load_lora_adapter")
+    _check_config(model, path)
+    file = os.path.join(os.fspath(path), WEIGHTS_FILE)
+    check_files(file)
+    tensors = load_file(file)
+    entries = _entries(model)
+    missing, unexpected = sorted(set(entries) - set(tensors)), sorted(set(tensors) - set(entries))
+    if missing or unexpected:
+        raise KeyError(f"fsdpturbo.load_lora_adapter: {file!r} does not hold the model's adapter: missing "
+                       f"{missing}, unexpected {unexpected}")
+    for key, entry in entries.items():
+        if tuple(tensors[key].shape) != _peft_shape(entry):
+            raise ValueError(f"fsdpturbo.load_lora_adapter: {file!r}: tensor {key!r} has shape "
+                             f"{tuple(tensors[key].shape)}; the model's {entry.peft.name} takes {_peft_shape(entry)}")
+    for key, entry in entries.items():
+        copy_weights_(entry.param, entry.peft.from_peft(tensors[key]).contiguous())
+    return list(entries)
+
+
+def _one_process_model(model):
+    """An unsharded PEFT model of `model`'s architecture and adapter, its parameters on meta."""
+    from peft import get_peft_model
+
+    inner = model.get_base_model()
+    with meta_parameters():
+        base = type(inner)(inner.config)
+    return get_peft_model(base, copy.deepcopy(model.peft_config[model.active_adapter]),
+                          adapter_name=model.active_adapter)
+
+
+def save_merged_weights(model, path, rank=0):
+    """Saves the PEFT model `model` (sharded or not) with its active adapter merged into the
+    weights, as a Hugging Face checkpoint directory at `path` for inference: the full state dict
+    is gathered (collective) onto rank `rank`, which loads it into a one-process copy of the
+    PEFT model (holding the whole model in its memory once), merges the adapters with PEFT's
+    `merge_and_unload` and writes the result with the model's `save_pretrained`. Every rank
+    returns `path` after the files exist."""
+    model = _peft_model(model, "save_merged_weights")
+    state = full_state_dict(model, rank=rank)
+    if _is_writer(rank):
+        one = _one_process_model(model)
+        one.load_state_dict(expert_lora.to_peft(model, state), strict=True, assign=True)
+        one.merge_and_unload().save_pretrained(os.fspath(path))
+    _barrier()
+    return path

@@ -193,7 +193,8 @@ def _full_optimizer_state(model, optimizer):
 
 def _adapters_rank_fn(rank, world, tmp):
     """Trained one step at (ep 2, efsdp 2), the adapter saved (PEFT's format), the training
-    checkpoint saved (DCP) and the merged weights saved; then PEFT loads the adapter onto the
+    checkpoint saved (DCP) and the merged weights saved; PEFT's own save_pretrained refused without a
+    full state dict and equal to save_lora_adapter with one; then PEFT loads the adapter onto the
     unsharded model and reproduces the sharded logits, the merged checkpoint does too, and at
     ep 4 a model with other adapters takes the saved adapter (load_lora_adapter) and another
     the checkpoint (adapters and AdamW moments) bitwise; adapters that do not fit are refused,
@@ -202,6 +203,7 @@ def _adapters_rank_fn(rank, world, tmp):
 
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
     import fsdpturbo
@@ -222,6 +224,17 @@ def _adapters_rank_fn(rank, world, tmp):
     fsdpturbo.save_merged_weights(model, merged_dir)
 
     saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    # PEFT's own save_pretrained: refused without a full state dict (PEFT's selection would drop
+    # the expert adapters); with one, gathered as LlamaFactory's fsdp2 save does and written by
+    # rank 0, the same file as save_lora_adapter's.
+    with pytest.raises(RuntimeError, match="save_lora_adapter"):
+        model.save_pretrained(os.path.join(tmp, "refused"))
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    if rank == 0:
+        model.save_pretrained(os.path.join(tmp, "pretrained"), state_dict=full_state)
+    dist.barrier()
+    by_peft = load_file(os.path.join(tmp, "pretrained", "adapter_model.safetensors"))
+    assert by_peft.keys() == saved.keys() and all(torch.equal(by_peft[k], saved[k]) for k in saved), sorted(by_peft)
     assert {k.replace("lora_A.weight", "lora_A.default.weight").replace("lora_B.weight", "lora_B.default.weight")
             for k in saved} == set(adapter), sorted(saved)
     unsharded = PeftModel.from_pretrained(build_model("qwen3_moe", 0, tiny_config("qwen3_moe")), adapter_dir)

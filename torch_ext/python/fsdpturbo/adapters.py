@@ -25,7 +25,7 @@ from . import expert_lora
 from .placement import copy_weights_, gather_full
 from .weights import check_files, full_state_dict, meta_parameters
 
-__all__ = ["load_lora_adapter", "save_lora_adapter", "save_merged_weights"]
+__all__ = ["guard_save_pretrained", "load_lora_adapter", "save_lora_adapter", "save_merged_weights"]
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The adapter settings that decide the factors' shapes and what they compute: a file must agree.
@@ -90,9 +90,36 @@ def save_lora_adapter(model, path, rank=0):
         if _is_writer(rank):
             state[entry.peft.name] = entry.peft.to_peft(full).cpu().contiguous()
     if _is_writer(rank):
-        model.save_pretrained(os.fspath(path), state_dict=state)
+        _peft_save_pretrained(model)(os.fspath(path), state_dict=state)
     _barrier()
     return path
+
+
+def _peft_save_pretrained(model):
+    """PEFT's own `save_pretrained` of `model`, past `guard_save_pretrained`."""
+    return type(model).save_pretrained.__get__(model)
+
+
+def guard_save_pretrained(model):
+    """Makes the sharded PEFT model `model`'s `save_pretrained` save its expert adapters or
+    refuse, never leave them out: PEFT's own selection does not know the names the experts'
+    adapters have once taken over, so it would write the adapter without them and say nothing.
+    Given a full `state_dict` by `model`'s parameter names (as
+    `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` returns
+    it), the expert tensors are renamed and laid out as PEFT's first; without one it raises
+    (each rank holds shards only: `fsdpturbo.save_lora_adapter` gathers them, collectively)."""
+    peft_save = _peft_save_pretrained(model)
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise RuntimeError("save_pretrained of a model sharded by fsdpturbo with adapters on its experts needs "
+                               "the full state_dict by the model's parameter names (PEFT's own selection would "
+                               "leave the expert adapters out); call fsdpturbo.save_lora_adapter(model, path) on "
+                               "every rank, or pass state_dict=get_model_state_dict(model, "
+                               "options=StateDictOptions(full_state_dict=True))")
+        return peft_save(save_directory, *args, state_dict=expert_lora.to_peft(model, state_dict), **kwargs)
+
+    model.save_pretrained = save_pretrained
 
 
 def _check_config(model, path):

@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import balance, expert_bias, expert_lora
+from . import adapters, balance, expert_bias, expert_lora
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
 from ._dist import rank
@@ -284,4 +284,6 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
                       if dist_config["offload_params"] else None)
     materialize(model, device, weights, dcp_path=dcp_path)
     warmup_grad_norm(model)
+    if given is not model and any(expert_lora.expert_lora(m) is not None for m in model.modules()):
+        adapters.guard_save_pretrained(given)
     return given

@@ -29,12 +29,12 @@ def test_every_function_of_both_headers_is_bound():
 
 def test_errors_carry_the_status_name_without_its_prefix():
     assert lib.fsdpturbo_debug_panic() == _abi.FSDPTURBO_ERR_PANIC
-    with pytest.raises(_native.FsdpturboError, match="fsdpturbo_debug_panic was called") as err:
+    with pytest.raises(_native.FSDPTurboError, match="fsdpturbo_debug_panic was called") as err:
         _native.check(_abi.FSDPTURBO_ERR_PANIC)
     assert err.value.status == "PANIC"
     handle = ctypes.c_void_p()
     status = lib.fsdpturbo_config_parse(b"x: [", 4, ctypes.byref(handle))
     assert status == _abi.FSDPTURBO_ERR_CONFIG and not handle
-    with pytest.raises(_native.FsdpturboValueError) as err:
+    with pytest.raises(_native.FSDPTurboValueError) as err:
         _native.check(status)
     assert err.value.status == "CONFIG"

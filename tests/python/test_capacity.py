@@ -105,7 +105,7 @@ def _drop_rank_fn(rank, world, dispatcher):
     torch.testing.assert_close(got["grad experts.down_proj"] * world, ref_grads["experts.down_proj"], **tol)
     loads, dropped = fsdpturbo.expert_load(block, with_dropped=True)
     assert 0 < ref_dropped == int(dropped["experts"].sum())
-    summary = fsdpturbo.load_summary(loads, dropped)
+    summary = fsdpturbo.expert_load_summary(loads, dropped)
     assert summary["dropped_tokens"] == ref_dropped and summary["tokens"] == world * TOKENS_PER_RANK * 2
 
 

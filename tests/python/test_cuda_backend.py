@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import fsdpturbo
 from fsdpturbo import comm
-from fsdpturbo._native import FsdpturboError, wheel_library_dirs
+from fsdpturbo._native import FSDPTurboError, wheel_library_dirs
 from dist_util import run_ranks
 
 
@@ -64,14 +64,14 @@ def test_a_missing_library_lists_what_was_tried():
             "try:\n    c.nccl_version()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     env = dict(os.environ, FSDPTURBO_NCCL_PATH="/nonexistent/libnccl.so.2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
-    assert "FsdpturboError NCCL is not available on this host; tried: FSDPTURBO_NCCL_PATH=/nonexistent/libnccl.so.2" \
+    assert "FSDPTurboError NCCL is not available on this host; tried: FSDPTURBO_NCCL_PATH=/nonexistent/libnccl.so.2" \
         in out, out
 
 
 def test_a_gpu_only_call_fails_cleanly_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    with pytest.raises(FsdpturboError, match="UNAVAILABLE|not available|CUDA driver"):
+    with pytest.raises(FSDPTurboError, match="UNAVAILABLE|not available|CUDA driver"):
         comm.nccl_comm(b"\0" * comm.UNIQUE_ID_BYTES, 1, 0, 0)
 
 

@@ -64,7 +64,7 @@ def _load_rank_fn(rank, world, family, layouts):
         dist.all_gather_object(gathered, {n: v.tolist() for n, v in loads.items()})
         assert all(g == gathered[0] for g in gathered), f"{what}: ranks disagree"
         assert all(int(v.sum()) == 0 for v in fsdpturbo.expert_load(model).values()), f"{what}: not reset"
-        summary = fsdpturbo.load_summary(loads)
+        summary = fsdpturbo.expert_load_summary(loads)
         tokens = MICRO_BATCHES * world * SEQ * model.config.num_experts_per_tok
         assert summary["tokens"] == tokens * len(loads), f"{what}: {summary}"
         assert len(fsdpturbo.expert_load_table(loads).splitlines()) == len(loads)
@@ -88,8 +88,10 @@ def test_summary_and_table():
     import fsdpturbo
 
     loads = {"layers.0.experts": torch.tensor([4, 4, 0, 8]), "layers.1.experts": torch.tensor([2, 2, 2, 2])}
-    summary = fsdpturbo.load_summary(loads)
+    summary = fsdpturbo.expert_load_summary(loads)
     assert summary["layers.0.experts/max_over_mean"] == 2.0 and summary["layers.1.experts/cv"] == 0.0
     assert summary["idle_experts"] == 1 and summary["tokens"] == 24 and summary["max_over_mean"] == 2.0
+    with pytest.warns(DeprecationWarning, match="expert_load_summary"):
+        assert fsdpturbo.load_summary(loads) == summary
     table = fsdpturbo.expert_load_table(loads).splitlines()
     assert table[0].endswith("|▒▒ █| max/mean 2.00") and table[1].endswith("|▒▒▒▒| max/mean 1.00"), table

@@ -614,5 +614,5 @@ def test_reduction_sets_come_from_the_core():
     assert fnorm._norm_plan([(2, 1), (), (1,), ()]) == ([0, 1, 2, 1], [[1, 2], [], [1]])
     assert fnorm._norm_plan([(3, 0), (0, 3), (5,), (0, 3)]) == ([0, 0, 1, 0], [[0, 3], [5]])
     assert fnorm._norm_plan([]) == ([], [])
-    with pytest.raises(fsdpturbo.FsdpturboValueError, match=r"gradient 1: .*appears twice"):
+    with pytest.raises(fsdpturbo.FSDPTurboValueError, match=r"gradient 1: .*appears twice"):
         fnorm._norm_plan([(), (4, 4)])

@@ -14,7 +14,7 @@ CHILD = """
 import hashlib, torch, fsdpturbo
 try:
     print("isa", fsdpturbo.host_isa())
-except fsdpturbo.FsdpturboError as e:
+except fsdpturbo.FSDPTurboError as e:
     print("isa-error", type(e).__name__, e)
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(103, 300, generator=g), torch.randn(3, 50, 300, generator=g)
@@ -53,5 +53,5 @@ def test_a_value_that_is_no_instruction_set_is_a_value_error_of_the_query_and_th
     message = ('FSDPTURBO_HOST_ISA="avx9" is not an instruction set of the host kernels: accepted are portable, '
                "avx2 and avx512 (unset or empty: the best available); this CPU and build support portable")
     isa, op = _child("avx9")
-    assert isa.startswith(f"isa-error FsdpturboValueError {message}"), isa
+    assert isa.startswith(f"isa-error FSDPTurboValueError {message}"), isa
     assert op.startswith(f"op-error ValueError fsdpturbo::grouped_mm: {message}"), op

@@ -126,7 +126,7 @@ def _shard_rank_fn(rank, world, directory):
     # Rank 1's configuration does not parse.
     _same_error_everywhere(lambda: shard(good if rank == 0 else "dist_config: [unclosed\n", weights=directory),
                            ValueError, r"shard_model: reading the training configuration and checkpoints failed "
-                                       r"\(rank 1: FsdpturboValueError: ")
+                                       r"\(rank 1: FSDPTurboValueError: ")
     # Each rank was handed the weights of another run.
     weights = os.path.join(directory, f"seed{rank}")
     _same_error_everywhere(lambda: shard(good, weights=weights), ValueError,

@@ -60,7 +60,7 @@ BUFFER_TOO_SMALL = _abi.FSDPTURBO_ERR_BUFFER_TOO_SMALL
 _STATUS = {code: name.removeprefix("FSDPTURBO_ERR_") for code, name in _abi.STATUS_NAMES.items() if code != OK}
 
 
-class FsdpturboError(RuntimeError):
+class FSDPTurboError(RuntimeError):
     """A failure reported by libfsdpturbo; `status` is the FSDPTURBO_ERR_* name."""
 
     def __init__(self, message, status):
@@ -68,11 +68,11 @@ class FsdpturboError(RuntimeError):
         self.status = status
 
 
-class FsdpturboValueError(FsdpturboError, ValueError):
+class FSDPTurboValueError(FSDPTurboError, ValueError):
     """Bad input (configuration, topology sizes, arguments): also a ValueError, like the seed's."""
 
 
-class FsdpturboKeyError(FsdpturboError, KeyError):
+class FSDPTurboKeyError(FSDPTurboError, KeyError):
     """A registry has no entry for the name asked for: also a KeyError, like the seed's."""
 
     __str__ = RuntimeError.__str__
@@ -91,9 +91,9 @@ def check(status):
     if status == OK:
         return
     name = _STATUS.get(status, str(status))
-    cls = FsdpturboValueError if name in ("NULL_ARGUMENT", "INVALID_ARGUMENT", "CONFIG", "TOPOLOGY",
-                                         "UTF8", "STRUCT_SIZE") else FsdpturboError
-    cls = FsdpturboKeyError if name == "NOT_FOUND" else cls
+    cls = FSDPTurboValueError if name in ("NULL_ARGUMENT", "INVALID_ARGUMENT", "CONFIG", "TOPOLOGY",
+                                         "UTF8", "STRUCT_SIZE") else FSDPTurboError
+    cls = FSDPTurboKeyError if name == "NOT_FOUND" else cls
     raise cls(last_error(), name)
 
 
@@ -101,7 +101,7 @@ def host_isa():
     """The instruction set of libfsdpturbo's host (CPU) kernels in this process: "portable",
     "avx2" or "avx512", the best this CPU and build have, capped by FSDPTURBO_HOST_ISA (read once
     per process). Every path gives the same bits. A FSDPTURBO_HOST_ISA that names no instruction
-    set raises FsdpturboValueError, one this host cannot run FsdpturboError, as every host kernel
+    set raises FSDPTurboValueError, one this host cannot run FSDPTurboError, as every host kernel
     (the CPU ops of torch.ops.fsdpturbo) then does."""
     name = ctypes.c_char_p()
     check(lib.fsdpturbo_host_isa(ctypes.byref(name)))

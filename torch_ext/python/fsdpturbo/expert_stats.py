@@ -10,6 +10,7 @@ global batch (every EP and DP rank, every micro-batch) since its last reset, the
 rank; and `fsdpturbo.update_expert_bias`, those of the training forwards since the last update.
 """
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,8 @@ import torch.distributed as dist
 from .ep_state import ep_modules, state
 from .recompute import in_recomputation
 
-__all__ = ["expert_load", "expert_load_table", "load_summary", "per_expert", "record", "reduce_tallies"]
+__all__ = ["expert_load", "expert_load_summary", "expert_load_table", "load_summary", "per_expert", "record",
+           "reduce_tallies"]
 
 
 def per_expert(ids, num_experts):
@@ -88,7 +90,7 @@ def expert_load(model, *, reset=True, group=None, with_dropped=False):
     return (loads, dict(zip(names, parts[len(names):]))) if with_dropped else loads
 
 
-def load_summary(loads, dropped=None):
+def expert_load_summary(loads, dropped=None):
     """Figures a trainer can log, from `expert_load`'s result: per module `{name}/max_over_mean`
     and `{name}/cv` (coefficient of variation), and over all modules `tokens`, `max_over_mean`
     (the worst module's), `cv` (the mean) and `idle_experts` (experts that got no token); with
@@ -110,6 +112,13 @@ def load_summary(loads, dropped=None):
         drops = sum(int(d.sum()) for d in dropped.values())
         out.update(dropped_tokens=drops, dropped_fraction=drops / tokens if tokens else 0.0)
     return out
+
+
+def load_summary(loads, dropped=None):
+    """The former name of `expert_load_summary` (deprecated: it read like a checkpoint's)."""
+    warnings.warn("fsdpturbo.load_summary is deprecated: use fsdpturbo.expert_load_summary", DeprecationWarning,
+                  stacklevel=2)
+    return expert_load_summary(loads, dropped)
 
 
 _SHADES = " ░▒▓█"

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._native import FsdpturboKeyError, check, lib, string_out
+from ._native import FSDPTurboKeyError, check, lib, string_out
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def register_op(op_name, device_type):
 def _callable(impl_id, op_name, device_type):
     fn = _IMPLS.get(impl_id)
     if fn is None:
-        raise FsdpturboKeyError(
+        raise FSDPTurboKeyError(
             f"Operator '{op_name}' for device '{device_type}' was registered outside Python (implementation "
             f"id {impl_id}, through the C ABI) and has no Python callable", "NOT_FOUND")
     return fn

@@ -119,10 +119,10 @@ def _torch_dtype(name, where):
 
 def _file_error(path, err):
     """The library's error about checkpoint file `path`, the same class, naming the file."""
-    from ._native import FsdpturboError
+    from ._native import FSDPTurboError
 
     message = f"fsdpturbo: checkpoint file {path!r}: {err}"
-    return type(err)(message, err.status) if isinstance(err, FsdpturboError) else type(err)(message)
+    return type(err)(message, err.status) if isinstance(err, FSDPTurboError) else type(err)(message)
 
 
 def _header_bytes(fd):
@@ -144,7 +144,7 @@ def checkpoint_fingerprint(path):
     """What identifies the safetensors checkpoint at `path` for a cross-rank comparison, cheaply:
     the path as given and, per file, its size, the SHA-256 of its header (every tensor's name,
     dtype, shape and byte range) and of a sample of its data (the first and last MiB)."""
-    from ._native import FsdpturboError
+    from ._native import FSDPTurboError
 
     files = {}
     for file in checkpoint_files(path):
@@ -154,7 +154,7 @@ def checkpoint_fingerprint(path):
             sample = os.pread(fd, _SAMPLE, len(header)) + os.pread(fd, _SAMPLE, max(len(header), size - _SAMPLE))
             files[os.path.basename(file)] = {"bytes": size, "header sha256": hashlib.sha256(header).hexdigest(),
                                              "sample sha256": hashlib.sha256(sample).hexdigest()}
-        except FsdpturboError as e:
+        except FSDPTurboError as e:
             raise _file_error(file, e) from None
         finally:
             os.close(fd)
@@ -179,7 +179,7 @@ class _File:
                                                                   ctypes.byref(self.handle)))
             names = _native.string_out(_native.lib.fsdpturbo_safetensors_tensor_names, self.handle)
             layout = _native.u64_view(_native.lib.fsdpturbo_safetensors_tensor_layout, self.handle)
-        except _native.FsdpturboError as e:
+        except _native.FSDPTurboError as e:
             self.close()
             raise _file_error(path, e) from None
         except BaseException:
@@ -284,7 +284,7 @@ class _Checkpoint:
                 _native.check(lib.fsdpturbo_read_plan_ranges(handle, ranges, n.value, c.byref(n)))
             finally:
                 lib.fsdpturbo_read_plan_free(handle)
-        except _native.FsdpturboError as e:
+        except _native.FSDPTurboError as e:
             raise _file_error(self.files[self.where[names[0]]].path, e) from None
         reads = [(r.file, r.offset, r.length, r.dst_offset) for r in ranges[: n.value]]
         return _torch_dtype(dtype, f"fsdpturbo: tensor {names[0]!r}"), tuple(local_shape), reads

@@ -6,9 +6,27 @@
 //! the files directly in `src/ffi/`, and `include/fsdpturbo_internal.h` (the op library's device
 //! kernels and the test hooks) from those in `src/ffi/internal/`. Nothing outside `src/ffi` can
 //! reach either header, so the vendor constants and types of `src/backend` stay private to the
-//! crate however they are declared there (docs/design.md §3).
+//! crate however they are declared there (docs/design.md §3). The public header is ordered by
+//! topic, in sections with banners (`PUBLIC_SECTIONS`).
 
 use std::path::{Path, PathBuf};
+
+/// The public header's sections, in order: a banner and the files of `src/ffi` whose functions
+/// it holds (files of helpers, types and constants only go with the first section). Every file
+/// there is in exactly one section; a new one fails the build until it is placed.
+const PUBLIC_SECTIONS: &[(&str, &[&str])] = &[
+    ("Errors and versions", &["status.rs", "error.rs", "version.rs", "dtype.rs", "handle.rs", "panic.rs"]),
+    ("Loading the device libraries", &["backend.rs"]),
+    ("Configuration", &["config.rs"]),
+    ("Topology and the process-wide parallel state", &["topology.rs", "state.rs"]),
+    ("Plans: module patterns, model specs, the expert plan", &["pattern.rs", "spec.rs", "plan.rs"]),
+    ("Weights: shard placement and safetensors files", &["placement.rs", "safetensors.rs"]),
+    ("Host kernels: routing, the grouped GEMM, the instruction set", &["route.rs", "gemm.rs", "host_isa.rs"]),
+    ("Gradient norm and clipping", &["norm.rs"]),
+    ("Collectives: communicators and NCCL", &["comm.rs"]),
+    ("Ascend: HCCL and the NPU operators", &["hccl.rs", "npu.rs"]),
+    ("The operator registry", &["ops.rs"]),
+];
 
 /// The `.rs` files directly in `dir` except `mod.rs` (a module list, no items), sorted so the
 /// headers do not depend on the order of the directory.
@@ -22,11 +40,52 @@ fn sources(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-fn generate(config: cbindgen::Config, srcs: &[PathBuf], out: &Path) {
+/// The names of the C functions a source file exports, in source order.
+fn exported_functions(src: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(src).unwrap_or_else(|e| panic!("cannot read {}: {e}", src.display()));
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.trim_start().strip_prefix("pub ")?;
+            let rest = rest.strip_prefix("unsafe ").unwrap_or(rest).strip_prefix("extern \"C\" fn ")?;
+            Some(rest.split('(').next()?.trim().to_string())
+        })
+        .collect()
+}
+
+/// `header` with each section's banner above the declaration of the first function of its
+/// files (above that function's comment).
+fn with_banners(header: &str, sections: &[(&str, Vec<PathBuf>)]) -> String {
+    let mut lines: Vec<String> = header.lines().map(str::to_string).collect();
+    for (banner, files) in sections {
+        let Some(first) = files.iter().flat_map(|f| exported_functions(f)).next() else { continue };
+        let call = format!("{first}(");
+        let declared = |line: &String| {
+            line.starts_with(|c: char| c.is_ascii_alphabetic())
+                && line.split_whitespace().any(|w| w.trim_start_matches('*').starts_with(&call))
+        };
+        let Some(mut at) = lines.iter().position(declared) else { continue };
+        while at > 0 && lines[at - 1].starts_with("//") {
+            at -= 1;
+        }
+        let rule = "=".repeat(92);
+        let block = [format!("/* {rule}"), format!(" * {banner}"), format!(" * {rule} */"), String::new()];
+        lines.splice(at..at, block);
+    }
+    lines.join("\n") + "\n"
+}
+
+/// Writes the header cbindgen makes of `srcs` (with banners when `sections` are given) to
+/// `out`, only if its text changed.
+fn generate(config: cbindgen::Config, srcs: &[PathBuf], sections: &[(&str, Vec<PathBuf>)], out: &Path) {
     let builder = srcs.iter().fold(cbindgen::Builder::new().with_config(config), |b, src| b.with_src(src));
     match builder.generate() {
         Ok(bindings) => {
-            bindings.write_to_file(out);
+            let mut text = Vec::new();
+            bindings.write(&mut text);
+            let text = with_banners(&String::from_utf8(text).expect("cbindgen writes UTF-8"), sections);
+            if std::fs::read_to_string(out).ok().as_deref() != Some(text.as_str()) {
+                std::fs::write(out, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", out.display()));
+            }
         }
         // A half-edited source tree must still produce rustc's own diagnostics, so a parse
         // failure here is reported as a warning and the committed header is left alone.
@@ -34,7 +93,22 @@ fn generate(config: cbindgen::Config, srcs: &[PathBuf], out: &Path) {
     }
 }
 
-/// The minor version of the rustc building the crate (`rustc 1.MINOR.PATCH ...`), if it says.
+/// The files of `dir` in `PUBLIC_SECTIONS`' order, each section with its files.
+fn public_sections(dir: &Path) -> Vec<(&'static str, Vec<PathBuf>)> {
+    let listed: Vec<&str> = PUBLIC_SECTIONS.iter().flat_map(|(_, files)| files.iter().copied()).collect();
+    for file in sources(dir) {
+        let name = file.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        assert!(
+            listed.iter().filter(|l| **l == name).count() == 1,
+            "src/ffi/{name} must be in exactly one section of PUBLIC_SECTIONS in build.rs"
+        );
+    }
+    PUBLIC_SECTIONS
+        .iter()
+        .map(|(banner, files)| (*banner, files.iter().map(|f| dir.join(f)).collect()))
+        .collect()
+}
+
 fn rustc_minor() -> Option<u32> {
     let out = std::process::Command::new(std::env::var_os("RUSTC")?).arg("--version").output().ok()?;
     String::from_utf8(out.stdout).ok()?.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
@@ -88,6 +162,13 @@ fn main() {
     internal.after_includes = None;
     internal.export.include.clear();
 
-    generate(public, &sources(&root.join("src/ffi")), &root.join("include/fsdpturbo.h"));
-    generate(internal, &sources(&root.join("src/ffi/internal")), &root.join("include/fsdpturbo_internal.h"));
+    let sections = public_sections(&root.join("src/ffi"));
+    let public_srcs: Vec<PathBuf> = sections.iter().flat_map(|(_, files)| files.iter().cloned()).collect();
+    generate(public, &public_srcs, &sections, &root.join("include/fsdpturbo.h"));
+    generate(
+        internal,
+        &sources(&root.join("src/ffi/internal")),
+        &[],
+        &root.join("include/fsdpturbo_internal.h"),
+    );
 }

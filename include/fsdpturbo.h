@@ -20,25 +20,8 @@
 #define FSDPTURBO_MODEL_DESC_INIT { sizeof(fsdpturbo_model_desc_t), NULL, NULL, 0, NULL, NULL, NULL, 0 }
 
 
-// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
-#define FSDPTURBO_REDUCE_PROD 2
-
-#define FSDPTURBO_REDUCE_MIN 3
-
-// Bytes of an NCCL unique id.
-#define FSDPTURBO_NCCL_UNIQUE_ID_BYTES 128
-
-// `dist_config.ep_dispatcher: eager` (also when there is no dist_config).
-#define FSDPTURBO_DISPATCHER_EAGER 0
-
-// `dist_config.ep_dispatcher: fused`.
-#define FSDPTURBO_DISPATCHER_FUSED 1
-
-// `dist_config.ep_dispatcher: mc2`.
-#define FSDPTURBO_DISPATCHER_MC2 2
-
-// `dist_config.ep_dispatcher: domino`.
-#define FSDPTURBO_DISPATCHER_DOMINO 3
+// The ABI version: bumped on every incompatible change of this header.
+#define FSDPTURBO_ABI_VERSION 3
 
 // Element type codes (`int32_t dtype` arguments): float.
 #define FSDPTURBO_DTYPE_F32 0
@@ -61,11 +44,52 @@
 // Element type code: int64_t (collectives only).
 #define FSDPTURBO_DTYPE_I64 6
 
-// Bytes of an HCCL root info (`HcclRootInfo`).
-#define FSDPTURBO_HCCL_ROOT_INFO_BYTES 4108
+// `dist_config.ep_dispatcher: eager` (also when there is no dist_config).
+#define FSDPTURBO_DISPATCHER_EAGER 0
 
-// Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
-#define FSDPTURBO_HCCL_COMM_NAME_BYTES 128
+// `dist_config.ep_dispatcher: fused`.
+#define FSDPTURBO_DISPATCHER_FUSED 1
+
+// `dist_config.ep_dispatcher: mc2`.
+#define FSDPTURBO_DISPATCHER_MC2 2
+
+// `dist_config.ep_dispatcher: domino`.
+#define FSDPTURBO_DISPATCHER_DOMINO 3
+
+// Selects the data mesh `(dp, cp)`, dims "dp", "cp".
+#define FSDPTURBO_MESH_DATA 0
+
+// Selects the model mesh `(mp_replicate, mp_shard)`, dims "mp_replicate", "mp_shard".
+#define FSDPTURBO_MESH_MODEL 1
+
+// Selects the expert mesh `(edp, efsdp, ep, expert_cp)`, dims "edp", "efsdp", "ep",
+// "expert_cp". It exists only when ep_size > 1.
+#define FSDPTURBO_MESH_EXPERT 2
+
+// The most experts one EP module may have: a larger count is a plan error, and the
+// checkpoint converter refuses per-expert keys numbered beyond it.
+#define FSDPTURBO_MAX_EXPERTS 65536
+
+// Parameter roles (fsdpturbo_plan_param_role).
+#define FSDPTURBO_PARAM_EXPERT 0
+
+// Listed in fsdp_ignored_modules: kept whole on every rank.
+#define FSDPTURBO_PARAM_IGNORED 2
+
+// Managed by the outer FSDP2 over dp.
+#define FSDPTURBO_PARAM_DENSE 3
+
+// Placement kind (fsdpturbo_placement_t.kind): torch `Shard(dim)`.
+#define FSDPTURBO_PLACEMENT_SHARD 0
+
+// Placement kind: torch `_StridedShard(dim, split_factor)` (FSDP2 over an already sharded dim).
+#define FSDPTURBO_PLACEMENT_STRIDED_SHARD 1
+
+// Placement kind: torch `Replicate()`.
+#define FSDPTURBO_PLACEMENT_REPLICATE 2
+
+// Placement kind: torch `Partial()`.
+#define FSDPTURBO_PLACEMENT_PARTIAL 3
 
 // Reduction ops passed to fsdpturbo_reduce_fn: sum the values of the group.
 #define FSDPTURBO_REDUCE_SUM 0
@@ -82,6 +106,20 @@
 // Placement of a gradient on one dim of its mesh: Partial (rejected: reduce it first).
 #define FSDPTURBO_DIM_PARTIAL 2
 
+// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
+#define FSDPTURBO_REDUCE_PROD 2
+
+#define FSDPTURBO_REDUCE_MIN 3
+
+// Bytes of an NCCL unique id.
+#define FSDPTURBO_NCCL_UNIQUE_ID_BYTES 128
+
+// Bytes of an HCCL root info (`HcclRootInfo`).
+#define FSDPTURBO_HCCL_ROOT_INFO_BYTES 4108
+
+// Bytes fsdpturbo_hccl_comm_name may write (`HcclGetCommName`), NUL included.
+#define FSDPTURBO_HCCL_COMM_NAME_BYTES 128
+
 // How fsdpturbo_op_resolve found the implementation: the device's own.
 #define FSDPTURBO_OP_EXACT 0
 
@@ -92,44 +130,6 @@
 // How fsdpturbo_op_resolve found the implementation: the `cpu` one stands in, for the first
 // time for this (operator, device) pair: show the text of fsdpturbo_op_fallback_warning once.
 #define FSDPTURBO_OP_CPU_FALLBACK_WARN 2
-
-// Placement kind (fsdpturbo_placement_t.kind): torch `Shard(dim)`.
-#define FSDPTURBO_PLACEMENT_SHARD 0
-
-// Placement kind: torch `_StridedShard(dim, split_factor)` (FSDP2 over an already sharded dim).
-#define FSDPTURBO_PLACEMENT_STRIDED_SHARD 1
-
-// Placement kind: torch `Replicate()`.
-#define FSDPTURBO_PLACEMENT_REPLICATE 2
-
-// Placement kind: torch `Partial()`.
-#define FSDPTURBO_PLACEMENT_PARTIAL 3
-
-// The most experts one EP module may have: a larger count is a plan error, and the
-// checkpoint converter refuses per-expert keys numbered beyond it.
-#define FSDPTURBO_MAX_EXPERTS 65536
-
-// Parameter roles (fsdpturbo_plan_param_role).
-#define FSDPTURBO_PARAM_EXPERT 0
-
-// Listed in fsdp_ignored_modules: kept whole on every rank.
-#define FSDPTURBO_PARAM_IGNORED 2
-
-// Managed by the outer FSDP2 over dp.
-#define FSDPTURBO_PARAM_DENSE 3
-
-// Selects the data mesh `(dp, cp)`, dims "dp", "cp".
-#define FSDPTURBO_MESH_DATA 0
-
-// Selects the model mesh `(mp_replicate, mp_shard)`, dims "mp_replicate", "mp_shard".
-#define FSDPTURBO_MESH_MODEL 1
-
-// Selects the expert mesh `(edp, efsdp, ep, expert_cp)`, dims "edp", "efsdp", "ep",
-// "expert_cp". It exists only when ep_size > 1.
-#define FSDPTURBO_MESH_EXPERT 2
-
-// The ABI version: bumped on every incompatible change of this header.
-#define FSDPTURBO_ABI_VERSION 3
 
 // Status codes (`int32_t` results; 0 is success). Variants are spelled as in C.
 enum fsdpturbo_status_t
@@ -203,6 +203,118 @@ typedef struct fsdpturbo_safetensors_t fsdpturbo_safetensors_t;
 // fsdpturbo_topology_from_config or fsdpturbo_state_get; freed with fsdpturbo_topology_free.
 typedef struct fsdpturbo_topology_t fsdpturbo_topology_t;
 
+// The sizes of a topology. Initialise with FSDPTURBO_TOPOLOGY_OPTIONS_INIT, then set the
+// sizes you need. A 0 in dp_size, mp_shard_size or efsdp_size means "the default formula";
+// every other size must be at least 1.
+typedef struct {
+  // sizeof(fsdpturbo_topology_options_t), as set by FSDPTURBO_TOPOLOGY_OPTIONS_INIT.
+  size_t struct_size;
+  // Number of ranks; 1 means "not distributed". Default 1.
+  uint64_t world_size;
+  // Data-parallel size; 0 (default) means world_size / cp_size.
+  uint64_t dp_size;
+  // Context-parallel size. Default 1.
+  uint64_t cp_size;
+  // Replicate dim of the model mesh. Default 1.
+  uint64_t mp_replicate_size;
+  // Shard dim of the model mesh; 0 (default) means world_size / mp_replicate_size.
+  uint64_t mp_shard_size;
+  // Expert-parallel size; 1 (default) means no expert parallelism and no expert mesh.
+  uint64_t ep_size;
+  // Expert-FSDP size, only with ep_size > 1; 0 (default) means dp_size / ep_size (edp 1).
+  // A divisor of dp_size / ep_size gives edp = dp_size / (ep_size * efsdp_size) replicas.
+  uint64_t efsdp_size;
+} fsdpturbo_topology_options_t;
+
+// A model described by its module names (named_modules() order) and parameters.
+// `param_shapes` holds the dims of every parameter back to back; `param_ndims[i]` says how
+// many belong to parameter i.
+typedef struct {
+  size_t struct_size;
+  const char *model_type;
+  const char *const *module_names;
+  size_t n_modules;
+  const char *const *param_names;
+  const size_t *param_ndims;
+  const uint64_t *param_shapes;
+  size_t n_params;
+} fsdpturbo_model_desc_t;
+
+// Bytes one rank holds (fsdpturbo_memory_t), under EP × EFSDP × outer FSDP2.
+typedef struct {
+  uint64_t param_elements;
+  uint64_t param_bytes;
+  uint64_t grad_bytes;
+  uint64_t optimizer_bytes;
+  uint64_t total_bytes;
+} fsdpturbo_memory_t;
+
+// The placement of a tensor on one mesh dim. `dim` is the tensor dim of SHARD and
+// STRIDED_SHARD (>= 0; normalise negative dims first); `split_factor` (>= 1) is that of
+// STRIDED_SHARD. Fields a kind does not use must be 0, so `{FSDPTURBO_PLACEMENT_REPLICATE}`
+// and `{FSDPTURBO_PLACEMENT_SHARD, 1}` are complete initialisers.
+typedef struct {
+  int32_t kind;
+  int64_t dim;
+  int64_t split_factor;
+} fsdpturbo_placement_t;
+
+// One read of a read plan: `length` bytes at byte `offset` of file `file` (an index into the
+// `files` array given to fsdpturbo_safetensors_read_plan_new) go to byte `dst_offset` of the
+// local tensor (row-major, contiguous, in the checkpoint's dtype).
+typedef struct {
+  uint64_t file;
+  uint64_t offset;
+  uint64_t length;
+  uint64_t dst_offset;
+} fsdpturbo_byte_range_t;
+
+// One gradient of the parameter list shared by all ranks, with its local elements on this
+// rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
+// the entry must still be passed so that every rank issues the same collectives).
+// `dims`/`roles` give, for each of the `n_dims` dims of its DTensor mesh, a mesh-dim id of the
+// caller's choosing and its FSDPTURBO_DIM_* placement; a plain tensor has `n_dims` 0.
+// fsdpturbo_clip_grad_norm reads and scales `mut_data` in place (`data` must be NULL or equal
+// to it); fsdpturbo_local_power_sum reads `data`, or `mut_data` when `data` is NULL. Data must
+// be aligned for its element type; NULL is accepted only when `numel` is 0.
+typedef struct {
+  const void *data;
+  void *mut_data;
+  size_t numel;
+  // FSDPTURBO_DTYPE_*.
+  int32_t dtype;
+  const uint32_t *dims;
+  // FSDPTURBO_DIM_*, one per entry of `dims`.
+  const int32_t *roles;
+  size_t n_dims;
+} fsdpturbo_grad_t;
+
+// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
+typedef struct {
+  size_t struct_size;
+  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
+  double max_norm;
+  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
+  double norm_type;
+  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
+  // when the total norm is nan or inf, instead of returning it. Default false.
+  bool error_if_nonfinite;
+  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
+  bool accumulate_f64;
+} fsdpturbo_clip_options_t;
+
+// The embedder's collective: reduce `*value` with `op` (FSDPTURBO_REDUCE_SUM or
+// FSDPTURBO_REDUCE_MAX) over the process group spanned by the `n_dims` mesh-dim ids `dims`
+// (sorted; the ids are the caller's own) that contains this rank, and store the result in
+// `*value`. `set_index` numbers the distinct reduction sets in first-seen order over the
+// gradient list. Return 0 on success; any other value aborts the call with that status.
+typedef int32_t (*fsdpturbo_reduce_fn)(void *user,
+                                       size_t set_index,
+                                       const uint32_t *dims,
+                                       size_t n_dims,
+                                       int32_t op,
+                                       double *value);
+
 // Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
 // `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
 typedef int32_t (*fsdpturbo_host_all_reduce_fn)(void *user,
@@ -248,40 +360,6 @@ typedef struct {
   fsdpturbo_host_all_to_all_v_fn all_to_all_v;
 } fsdpturbo_host_collective_t;
 
-// Options of fsdpturbo_clip_grad_norm; initialise with FSDPTURBO_CLIP_OPTIONS_INIT.
-typedef struct {
-  size_t struct_size;
-  // The largest total norm left unscaled (>= 0; inf never scales). Default 1.0.
-  double max_norm;
-  // p: finite > 0, or INFINITY for the max norm. Default 2.0.
-  double norm_type;
-  // Fail with FSDPTURBO_ERR_INVALID_ARGUMENT (gradients untouched, the total still written)
-  // when the total norm is nan or inf, instead of returning it. Default false.
-  bool error_if_nonfinite;
-  // Accumulate p-power sums of f32/f16/bf16 data in double (default true) or float.
-  bool accumulate_f64;
-} fsdpturbo_clip_options_t;
-
-// One gradient of the parameter list shared by all ranks, with its local elements on this
-// rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
-// the entry must still be passed so that every rank issues the same collectives).
-// `dims`/`roles` give, for each of the `n_dims` dims of its DTensor mesh, a mesh-dim id of the
-// caller's choosing and its FSDPTURBO_DIM_* placement; a plain tensor has `n_dims` 0.
-// fsdpturbo_clip_grad_norm reads and scales `mut_data` in place (`data` must be NULL or equal
-// to it); fsdpturbo_local_power_sum reads `data`, or `mut_data` when `data` is NULL. Data must
-// be aligned for its element type; NULL is accepted only when `numel` is 0.
-typedef struct {
-  const void *data;
-  void *mut_data;
-  size_t numel;
-  // FSDPTURBO_DTYPE_*.
-  int32_t dtype;
-  const uint32_t *dims;
-  // FSDPTURBO_DIM_*, one per entry of `dims`.
-  const int32_t *roles;
-  size_t n_dims;
-} fsdpturbo_grad_t;
-
 // Which communicator reduces the grad norm's values over one set of mesh dims.
 typedef struct {
   // The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
@@ -289,18 +367,6 @@ typedef struct {
   size_t n_dims;
   const fsdpturbo_comm_t *comm;
 } fsdpturbo_comm_group_t;
-
-// The embedder's collective: reduce `*value` with `op` (FSDPTURBO_REDUCE_SUM or
-// FSDPTURBO_REDUCE_MAX) over the process group spanned by the `n_dims` mesh-dim ids `dims`
-// (sorted; the ids are the caller's own) that contains this rank, and store the result in
-// `*value`. `set_index` numbers the distinct reduction sets in first-seen order over the
-// gradient list. Return 0 on success; any other value aborts the call with that status.
-typedef int32_t (*fsdpturbo_reduce_fn)(void *user,
-                                       size_t set_index,
-                                       const uint32_t *dims,
-                                       size_t n_dims,
-                                       int32_t op,
-                                       double *value);
 
 // A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
 // `offset` elements into `storage`, an allocation of `storage_len` elements.
@@ -331,72 +397,6 @@ typedef struct {
   bool trans_weight;
 } fsdpturbo_npu_exchange_t;
 
-// The placement of a tensor on one mesh dim. `dim` is the tensor dim of SHARD and
-// STRIDED_SHARD (>= 0; normalise negative dims first); `split_factor` (>= 1) is that of
-// STRIDED_SHARD. Fields a kind does not use must be 0, so `{FSDPTURBO_PLACEMENT_REPLICATE}`
-// and `{FSDPTURBO_PLACEMENT_SHARD, 1}` are complete initialisers.
-typedef struct {
-  int32_t kind;
-  int64_t dim;
-  int64_t split_factor;
-} fsdpturbo_placement_t;
-
-// A model described by its module names (named_modules() order) and parameters.
-// `param_shapes` holds the dims of every parameter back to back; `param_ndims[i]` says how
-// many belong to parameter i.
-typedef struct {
-  size_t struct_size;
-  const char *model_type;
-  const char *const *module_names;
-  size_t n_modules;
-  const char *const *param_names;
-  const size_t *param_ndims;
-  const uint64_t *param_shapes;
-  size_t n_params;
-} fsdpturbo_model_desc_t;
-
-// Bytes one rank holds (fsdpturbo_memory_t), under EP × EFSDP × outer FSDP2.
-typedef struct {
-  uint64_t param_elements;
-  uint64_t param_bytes;
-  uint64_t grad_bytes;
-  uint64_t optimizer_bytes;
-  uint64_t total_bytes;
-} fsdpturbo_memory_t;
-
-// One read of a read plan: `length` bytes at byte `offset` of file `file` (an index into the
-// `files` array given to fsdpturbo_safetensors_read_plan_new) go to byte `dst_offset` of the
-// local tensor (row-major, contiguous, in the checkpoint's dtype).
-typedef struct {
-  uint64_t file;
-  uint64_t offset;
-  uint64_t length;
-  uint64_t dst_offset;
-} fsdpturbo_byte_range_t;
-
-// The sizes of a topology. Initialise with FSDPTURBO_TOPOLOGY_OPTIONS_INIT, then set the
-// sizes you need. A 0 in dp_size, mp_shard_size or efsdp_size means "the default formula";
-// every other size must be at least 1.
-typedef struct {
-  // sizeof(fsdpturbo_topology_options_t), as set by FSDPTURBO_TOPOLOGY_OPTIONS_INIT.
-  size_t struct_size;
-  // Number of ranks; 1 means "not distributed". Default 1.
-  uint64_t world_size;
-  // Data-parallel size; 0 (default) means world_size / cp_size.
-  uint64_t dp_size;
-  // Context-parallel size. Default 1.
-  uint64_t cp_size;
-  // Replicate dim of the model mesh. Default 1.
-  uint64_t mp_replicate_size;
-  // Shard dim of the model mesh; 0 (default) means world_size / mp_replicate_size.
-  uint64_t mp_shard_size;
-  // Expert-parallel size; 1 (default) means no expert parallelism and no expert mesh.
-  uint64_t ep_size;
-  // Expert-FSDP size, only with ep_size > 1; 0 (default) means dp_size / ep_size (edp 1).
-  // A divisor of dp_size / ep_size gives edp = dp_size / (ep_size * efsdp_size) replicas.
-  uint64_t efsdp_size;
-} fsdpturbo_topology_options_t;
-
 // Every status, in code order (the Python suite checks against the header's enum that none is
 // missing).
 #define fsdpturbo_status_t_ALL { FSDPTURBO_OK, FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_INVALID_ARGUMENT, FSDPTURBO_ERR_CONFIG, FSDPTURBO_ERR_TOPOLOGY, FSDPTURBO_ERR_PLAN, FSDPTURBO_ERR_STATE, FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_UNAVAILABLE, FSDPTURBO_ERR_STRUCT_SIZE, FSDPTURBO_ERR_UTF8, FSDPTURBO_ERR_NOT_FOUND, FSDPTURBO_ERR_PANIC, }
@@ -404,6 +404,30 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/* ============================================================================================
+ * Errors and versions
+ * ============================================================================================ */
+
+// Copies the message of the last failure on this thread into `buf` (NUL-terminated,
+// truncated to `len - 1` bytes) and returns the full message length in bytes, without the
+// NUL. Returns 0 when the last call on this thread succeeded. `buf` may be NULL when
+// `len` is 0, to ask for the length alone.
+size_t fsdpturbo_last_error(char *buf, size_t len);
+
+// The name of a status code, e.g. "FSDPTURBO_ERR_CONFIG"; "FSDPTURBO_UNKNOWN_STATUS" for
+// integers that are not a status. The string is static.
+const char *fsdpturbo_status_name(int32_t status);
+
+// The library version as a static NUL-terminated string, e.g. "0.1.0".
+const char *fsdpturbo_version(void);
+
+// The ABI version this library implements (FSDPTURBO_ABI_VERSION of its header).
+uint32_t fsdpturbo_abi_version(void);
+
+/* ============================================================================================
+ * Loading the device libraries
+ * ============================================================================================ */
 
 // Adds directories searched for every vendor library (NCCL, cuBLAS, NVRTC, the CUDA driver,
 // HCCL, ...) after its FSDPTURBO_*_PATH variable and before the system loader, in order. The
@@ -422,94 +446,9 @@ int32_t fsdpturbo_cuda_compile_kernels(uint32_t arch,
                                        size_t *out_sources,
                                        size_t *out_bytes);
 
-// A communicator of one rank (every collective is a copy).
-int32_t fsdpturbo_comm_single_new(fsdpturbo_comm_t **out_comm);
-
-// A communicator over the embedder's process group, through callbacks (host memory).
-int32_t fsdpturbo_comm_host_new(const fsdpturbo_host_collective_t *callbacks,
-                                fsdpturbo_comm_t **out_comm);
-
-// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
-int32_t fsdpturbo_nccl_version(int32_t *out_version);
-
-// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
-// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
-int32_t fsdpturbo_nccl_unique_id(uint8_t *out_id);
-
-// Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
-// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made. Blocks until all ranks joined.
-// Free it with fsdpturbo_comm_free on every rank. Buffers of its collectives are device memory.
-int32_t fsdpturbo_comm_nccl_new(const uint8_t *id,
-                                size_t world_size,
-                                size_t rank,
-                                int32_t device,
-                                fsdpturbo_comm_t **out_comm);
-
-// Frees a communicator; NULL is a no-op. For NCCL this destroys the communicator: call it on
-// every rank.
-void fsdpturbo_comm_free(fsdpturbo_comm_t *comm);
-
-// This rank and the group size.
-int32_t fsdpturbo_comm_rank(const fsdpturbo_comm_t *comm, size_t *out_rank, size_t *out_world_size);
-
-// All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
-// `send` into `recv` (may be equal, must not overlap otherwise), in the communicator's memory
-// (device memory ordered on `stream` for NCCL; host memory otherwise, where `stream` is ignored).
-int32_t fsdpturbo_comm_all_reduce(const fsdpturbo_comm_t *comm,
-                                  const void *send,
-                                  void *recv,
-                                  size_t count,
-                                  int32_t dtype,
-                                  int32_t op,
-                                  void *stream);
-
-// All-gather: `recv` (`count` × world_size elements) receives every rank's `count` elements of
-// `send`, in rank order (FSDPTURBO_DTYPE_* `dtype`; buffers in the communicator's memory and on
-// `stream` as for fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host
-// communicator made without the `all_gather` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
-int32_t fsdpturbo_comm_all_gather(const fsdpturbo_comm_t *comm,
-                                  const void *send,
-                                  void *recv,
-                                  size_t count,
-                                  int32_t dtype,
-                                  void *stream);
-
-// Reduce-scatter: rank r's `recv` (`count` elements) receives the reduction (FSDPTURBO_REDUCE_*
-// `op`) over ranks of block r of `send` (`count` × world_size elements; FSDPTURBO_DTYPE_*
-// `dtype`; buffers in the communicator's memory and on `stream` as for
-// fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host communicator made
-// without the `reduce_scatter` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
-int32_t fsdpturbo_comm_reduce_scatter(const fsdpturbo_comm_t *comm,
-                                      const void *send,
-                                      void *recv,
-                                      size_t count,
-                                      int32_t dtype,
-                                      int32_t op,
-                                      void *stream);
-
-// All-to-all-v: rank p gets `send_counts[p]` elements from `send + send_displs[p]` and this
-// rank receives `recv_counts[p]` elements at `recv + recv_displs[p]` (elements; world_size
-// entries each; counts must agree pairwise). NCCL skips empty pairs.
-int32_t fsdpturbo_comm_all_to_all_v(const fsdpturbo_comm_t *comm,
-                                    const void *send,
-                                    void *recv,
-                                    const size_t *send_counts,
-                                    const size_t *send_displs,
-                                    const size_t *recv_counts,
-                                    const size_t *recv_displs,
-                                    int32_t dtype,
-                                    void *stream);
-
-// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
-// of mesh dims over which gradients are sharded are reduced by the communicator of the
-// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
-// value through device memory). A set without an entry is an error on every rank alike.
-int32_t fsdpturbo_clip_grad_norm_comm(const fsdpturbo_clip_options_t *options,
-                                      const fsdpturbo_grad_t *grads,
-                                      size_t n_grads,
-                                      const fsdpturbo_comm_group_t *groups,
-                                      size_t n_groups,
-                                      double *out_total_norm);
+/* ============================================================================================
+ * Configuration
+ * ============================================================================================ */
 
 // Parses and validates a training YAML of `len` bytes at `yaml` (need not be NUL-terminated;
 // NULL is accepted when `len` is 0). On success `*out` receives a new handle; on failure
@@ -551,269 +490,90 @@ int32_t fsdpturbo_config_efsdp_size(const fsdpturbo_config_t *config, uint64_t *
 // dist_config).
 int32_t fsdpturbo_config_dispatcher(const fsdpturbo_config_t *config, int32_t *out);
 
-// Copies the message of the last failure on this thread into `buf` (NUL-terminated,
-// truncated to `len - 1` bytes) and returns the full message length in bytes, without the
-// NUL. Returns 0 when the last call on this thread succeeded. `buf` may be NULL when
-// `len` is 0, to ask for the length alone.
-size_t fsdpturbo_last_error(char *buf, size_t len);
+/* ============================================================================================
+ * Topology and the process-wide parallel state
+ * ============================================================================================ */
 
-// The name of a status code, e.g. "FSDPTURBO_ERR_CONFIG"; "FSDPTURBO_UNKNOWN_STATUS" for
-// integers that are not a status. The string is static.
-const char *fsdpturbo_status_name(int32_t status);
+// Builds a topology from `options` and stores a new handle in `*out` (NULL on failure).
+// Errors: FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_STRUCT_SIZE (options not initialised with
+// FSDPTURBO_TOPOLOGY_OPTIONS_INIT), FSDPTURBO_ERR_TOPOLOGY (inconsistent sizes; the message
+// names them and what is accepted).
+int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
+                               fsdpturbo_topology_t **out);
 
-// Grouped matmul (the experts' GEMM): `x[N, in_features]` holds `group_rows[g]` consecutive
-// rows for each of the `groups` groups (N = sum of group_rows), `weight[groups, out_features,
-// in_features]` (the HF expert layout), and `y[rows of g] = x[rows of g] @ weight[g]^T`,
-// `y[N, out_features]`. One element type for all buffers (F32, F64, BF16, F16; bf16/f16
-// accumulate in f32); `*_bytes` must match the shapes exactly. Empty groups are fine. Large
-// problems use all cores; results do not depend on the thread count.
-int32_t fsdpturbo_grouped_mm(int32_t dtype,
-                             const void *x,
-                             size_t x_bytes,
-                             const uint64_t *group_rows,
-                             size_t groups,
-                             size_t in_features,
-                             size_t out_features,
-                             const void *weight,
-                             size_t weight_bytes,
-                             void *y,
-                             size_t y_bytes);
+// Builds the topology that `config` asks for on `world_size` ranks and stores a new handle in
+// `*out` (NULL on failure): its dp_size, cp_size, mp_replicate_size, mp_shard_size and
+// dist_config's ep_size and efsdp_size, each one the YAML leaves unset taking its default
+// formula, as with fsdpturbo_topology_new. Errors: FSDPTURBO_ERR_NULL_ARGUMENT,
+// FSDPTURBO_ERR_TOPOLOGY (sizes that do not fit `world_size`; the message names them and
+// what is accepted).
+int32_t fsdpturbo_topology_from_config(const fsdpturbo_config_t *config,
+                                       uint64_t world_size,
+                                       fsdpturbo_topology_t **out);
 
-// The input gradient of fsdpturbo_grouped_mm: `grad_x[rows of g] = grad_y[rows of g] @
-// weight[g]`, `grad_y[N, out_features]`, `grad_x[N, in_features]`; shapes and types as there.
-int32_t fsdpturbo_grouped_mm_grad_input(int32_t dtype,
-                                        const void *grad_y,
-                                        size_t grad_y_bytes,
-                                        const uint64_t *group_rows,
-                                        size_t groups,
-                                        size_t in_features,
-                                        size_t out_features,
-                                        const void *weight,
-                                        size_t weight_bytes,
-                                        void *grad_x,
-                                        size_t grad_x_bytes);
+// Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
+// can be called while cleaning up after a failure.
+void fsdpturbo_topology_free(fsdpturbo_topology_t *topology);
 
-// The weight gradient of fsdpturbo_grouped_mm: `grad_weight[g] = grad_y[rows of g]^T @
-// x[rows of g]`, `grad_weight[groups, out_features, in_features]`, zero for empty groups;
-// shapes and types as there.
-int32_t fsdpturbo_grouped_mm_grad_weight(int32_t dtype,
-                                         const void *grad_y,
-                                         size_t grad_y_bytes,
-                                         const void *x,
-                                         size_t x_bytes,
-                                         const uint64_t *group_rows,
-                                         size_t groups,
-                                         size_t in_features,
-                                         size_t out_features,
-                                         void *grad_weight,
-                                         size_t grad_weight_bytes);
+// Stores one size of the topology in `*out`. `dim` is one of: "world", "dp", "cp",
+// "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp" (always equal to cp). With
+// ep_size 1, efsdp and edp are 1. An unknown name gives FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_topology_size(const fsdpturbo_topology_t *topology,
+                                const char *dim,
+                                uint64_t *out);
 
-// Writes a fresh HCCL root info (`FSDPTURBO_HCCL_ROOT_INFO_BYTES` bytes) to `out`; call on one
-// rank and send the bytes to every rank of the group.
-int32_t fsdpturbo_hccl_root_info(uint8_t *out, size_t len);
-
-// Joins the HCCL communicator of `world_size` ranks described by `root` (`len` bytes).
-int32_t fsdpturbo_hccl_comm_new(const uint8_t *root,
-                                size_t len,
-                                uint32_t world_size,
-                                uint32_t rank,
-                                fsdpturbo_hccl_comm_t **out);
-
-// Writes the communicator's name (`HcclGetCommName`, NUL-terminated) to `out`, which holds
-// `len` bytes; `len` must be at least FSDPTURBO_HCCL_COMM_NAME_BYTES (128).
-int32_t fsdpturbo_hccl_comm_name(const fsdpturbo_hccl_comm_t *comm, char *out, size_t len);
-
-// Destroys a communicator; NULL is a no-op.
-void fsdpturbo_hccl_comm_free(fsdpturbo_hccl_comm_t *comm);
-
-// All-to-all-v of `dtype` (FSDPTURBO_DTYPE_*) elements: `world_size` counts and displacements
-// per direction, in elements; queued on `stream`.
-int32_t fsdpturbo_hccl_all_to_all_v(const fsdpturbo_hccl_comm_t *comm,
-                                    const void *send,
-                                    void *recv,
-                                    const uint64_t *send_counts,
-                                    const uint64_t *send_displs,
-                                    const uint64_t *recv_counts,
-                                    const uint64_t *recv_displs,
-                                    size_t world_size,
-                                    int32_t dtype,
-                                    void *stream);
-
-// Writes the name of the instruction set the host kernels use in this process, "portable",
-// "avx2" or "avx512" (a static string), to `*out_name`. It is the best this CPU and this build
-// have (avx512: AVX-512F and a build by rustc >= 1.89; avx2: AVX2, FMA and F16C; portable:
-// every CPU, the only choice off x86-64), capped by the environment variable
-// FSDPTURBO_HOST_ISA (portable, avx2 or avx512; unset or empty: the best), which is read once
-// per process. Every path gives the same bits; the variable changes speed only.
-//
-// A value of FSDPTURBO_HOST_ISA that is none of those is FSDPTURBO_ERR_INVALID_ARGUMENT, one
-// that names an instruction set this CPU or build lacks FSDPTURBO_ERR_UNAVAILABLE, here and from
-// every host kernel (fsdpturbo_grouped_mm and its gradients, fsdpturbo_unpermute,
-// fsdpturbo_local_power_sum, fsdpturbo_scale_in_place, fsdpturbo_clip_grad_norm*), with a
-// message naming the variable, the value, what is accepted and what this host supports.
-int32_t fsdpturbo_host_isa(const char **out_name);
-
-// The reduction plan of a gradient list without computing anything (docs/design.md §4.2):
-// which mesh dims each gradient's local p-power sum must be reduced over, grouped into
-// distinct sets in first-seen order, so a caller that does its own collectives (the Python
-// package) issues one reduction per set, the same on every rank. Only `dims`, `roles` and
-// `n_dims` of each gradient are read (give the placements of the *parameter*, shared by all
-// ranks); the data fields are ignored.
-//
-// Outputs: `grad_set[i]` (an array of `n_grads` entries) receives the set of gradient i. The
-// sets go to `set_dims`, concatenated, each sorted ascending, with `set_ends[s]` the end of set
-// s in `set_dims` (its start is `set_ends[s - 1]`, or 0); the empty set (plain and fully
-// replicated gradients) needs no collective. `*out_n_sets` and `*out_n_set_dims` always
-// receive the lengths; `n_grads` and the total of `n_dims` are upper bounds, and a short
-// buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with nothing written but the lengths. A Partial
-// role, or a mesh-dim id twice in one gradient, is FSDPTURBO_ERR_INVALID_ARGUMENT naming it.
-int32_t fsdpturbo_norm_plan(const fsdpturbo_grad_t *grads,
-                            size_t n_grads,
-                            size_t *grad_set,
-                            size_t *set_ends,
-                            size_t set_ends_cap,
-                            size_t *out_n_sets,
-                            uint32_t *set_dims,
-                            size_t set_dims_cap,
-                            size_t *out_n_set_dims);
-
-// Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
-// in place (docs/design.md §4.2): each gradient's local p-power sum is reduced over the mesh dims on
-// which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
-// with one `reduce` call per distinct set of dims, in first-seen order over `grads`, on every
-// rank, also when this rank holds no elements (the value is then 0). Gradients of plain
-// tensors need no collective. The total norm is written to `*out_total_norm`; when it is
-// finite and above `max_norm`, every gradient is multiplied by `max_norm / (total + 1e-6)`.
-// A nan/inf total leaves the gradients untouched and is returned (FSDPTURBO_OK), or, with
-// `error_if_nonfinite`, written and reported as FSDPTURBO_ERR_INVALID_ARGUMENT.
-//
-// Pass the same gradient list (the parameters known to all ranks, with numel 0 where this
-// rank holds nothing) on every rank. `reduce` may be NULL only when no set needs a collective.
-// A non-zero return from `reduce` aborts with that status and a message naming the set;
-// nothing is modified then, nor on any argument error.
-int32_t fsdpturbo_clip_grad_norm(const fsdpturbo_clip_options_t *options,
-                                 const fsdpturbo_grad_t *grads,
-                                 size_t n_grads,
-                                 fsdpturbo_reduce_fn reduce,
-                                 void *user,
-                                 double *out_total_norm);
-
-// Multiplies every element of `grads[0..n_grads]` (through `mut_data`) by `coef` in place with
-// the fused host kernel: f64 arithmetic for f64 data, f32 for the others, rounded to nearest
-// even for f16/bf16 (as torch's `mul_` by a Python float). The layout fields are not used.
-int32_t fsdpturbo_scale_in_place(const fsdpturbo_grad_t *grads, size_t n_grads, double coef);
-
-// The local p-power sum, the sum of |x|^p over all elements of `grads[0..n_grads]` (max |x| when
-// `norm_type` is INFINITY; any NaN gives NaN; no elements give 0), computed by the fused host
-// kernels with double (`accumulate_f64`) or float accumulation; the layout fields (`dims`,
-// `roles`, `n_dims`) are not used. Written to `*out_value`.
-int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
-                                  size_t n_grads,
-                                  double norm_type,
-                                  bool accumulate_f64,
-                                  double *out_value);
-
-// Grouped matmul through aclnn (V5, or V4 where V5 is absent) with per-group counts
-// (`group_list`: int64, one entry per group) on `stream`. `group_type` 0: x [M,K], weight
-// [G,K,N], out [M,N], `split_item` 2; `group_type` 2 (split along K): x [M,K], weight [K,N],
-// out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
-int32_t fsdpturbo_npu_grouped_mm(int32_t dtype,
-                                 const fsdpturbo_npu_view_t *x,
-                                 const fsdpturbo_npu_view_t *weight,
-                                 const fsdpturbo_npu_view_t *group_list,
-                                 const fsdpturbo_npu_view_t *out,
-                                 int64_t split_item,
-                                 int64_t group_type,
-                                 fsdpturbo_npu_alloc_fn alloc,
-                                 void *alloc_ctx,
-                                 void *stream);
-
-// The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
-int32_t fsdpturbo_npu_grouped_mm_version(uint32_t *out);
-
-// `aclnnMoeTokenPermute`: `permuted` ([T·K, H]) gets the rows of `tokens` ([T, H]) in the
-// stable order of `indices` (int32, [T, K]; K ≤ 512), and `sorted_indices` (int32, [T·K]) the
-// row of every flat (token, k) slot. `tokens` and `permuted` have `dtype`.
-int32_t fsdpturbo_npu_moe_token_permute(int32_t dtype,
-                                        const fsdpturbo_npu_view_t *tokens,
-                                        const fsdpturbo_npu_view_t *indices,
-                                        const fsdpturbo_npu_view_t *permuted,
-                                        const fsdpturbo_npu_view_t *sorted_indices,
-                                        fsdpturbo_npu_alloc_fn alloc,
-                                        void *alloc_ctx,
-                                        void *stream);
-
-// `aclnnMoeTokenUnpermute`: `out[t] = Σ_k permuted[sorted_indices[t·K + k]] · probs[t, k]`
-// (`probs` [T, K] of `dtype`, or NULL for K = 1). `sorted_indices` is int32.
-int32_t fsdpturbo_npu_moe_token_unpermute(int32_t dtype,
-                                          const fsdpturbo_npu_view_t *permuted,
-                                          const fsdpturbo_npu_view_t *sorted_indices,
-                                          const fsdpturbo_npu_view_t *probs,
-                                          const fsdpturbo_npu_view_t *out,
-                                          fsdpturbo_npu_alloc_fn alloc,
-                                          void *alloc_ctx,
-                                          void *stream);
-
-// `aclnnAlltoAllvGroupedMatMul`: the rows of `x` ([Σ send_counts, K], grouped by destination
-// expert) to their experts' ranks, permuted local-expert-major (also written to `permute_out`,
-// [Σ recv_counts, K], unless NULL), times the weight of their expert: `gmm_y` [Σ recv_counts, N].
-// bfloat16 or float16 (`dtype`); every rank of the communicator calls it.
-int32_t fsdpturbo_npu_alltoallv_grouped_mm(int32_t dtype,
-                                           const fsdpturbo_npu_view_t *x,
-                                           const fsdpturbo_npu_view_t *weight,
-                                           const fsdpturbo_npu_exchange_t *exchange_spec,
-                                           const fsdpturbo_npu_view_t *gmm_y,
-                                           const fsdpturbo_npu_view_t *permute_out,
-                                           fsdpturbo_npu_alloc_fn alloc,
-                                           void *alloc_ctx,
-                                           void *stream);
-
-// `aclnnGroupedMatMulAlltoAllv`: local-expert-major rows `x` ([Σ send_counts, K]) times their
-// expert's weight, put back in source order and returned to the ranks they came from: `y`
-// [Σ recv_counts, N]. bfloat16 or float16; every rank of the communicator calls it.
-int32_t fsdpturbo_npu_grouped_mm_alltoallv(int32_t dtype,
-                                           const fsdpturbo_npu_view_t *x,
-                                           const fsdpturbo_npu_view_t *weight,
-                                           const fsdpturbo_npu_exchange_t *exchange_spec,
-                                           const fsdpturbo_npu_view_t *y,
-                                           fsdpturbo_npu_alloc_fn alloc,
-                                           void *alloc_ctx,
-                                           void *stream);
-
-// Registers a new implementation of `op_name` for `device_type` ("cpu", "cuda", "npu", …: a
-// torch device type, without an index) in the process-wide registry. `*out_impl` receives its
-// id (never 0); `*out_replaced` the id of the implementation it replaced for the same pair (as
-// the seed does, silently), or 0. Operator names are `[A-Za-z_][A-Za-z0-9_.]*`, device types
-// `[a-z][a-z0-9_]*`; others give FSDPTURBO_ERR_INVALID_ARGUMENT and register nothing.
-int32_t fsdpturbo_op_register(const char *op_name,
-                              const char *device_type,
-                              uint64_t *out_impl,
-                              uint64_t *out_replaced);
-
-// Resolves `op_name` for `device_type` with the seed's rules: the device's own
-// implementation (`*out_how` = FSDPTURBO_OP_EXACT), else the "cpu" one
-// (FSDPTURBO_OP_CPU_FALLBACK_WARN the first time for this pair, then
-// FSDPTURBO_OP_CPU_FALLBACK); `*out_impl` receives the implementation id. An operator that is
-// not registered, or has neither the device nor "cpu", gives FSDPTURBO_ERR_NOT_FOUND with the
-// seed's message ("Operator 'x' is not registered…", "Operator 'x' not available for device
-// 'y' and no CPU fallback exists…"); malformed names FSDPTURBO_ERR_INVALID_ARGUMENT.
-int32_t fsdpturbo_op_resolve(const char *op_name,
-                             const char *device_type,
-                             uint64_t *out_impl,
-                             int32_t *out_how);
-
-// The seed's fallback warning for (`op_name`, `device_type`), "Operator 'x' not available for
-// device 'y', falling back to CPU implementation", copied into `buf` with its NUL; `*out_len`
-// receives the bytes needed. Names are validated as for fsdpturbo_op_register.
-int32_t fsdpturbo_op_fallback_warning(const char *op_name,
-                                      const char *device_type,
-                                      char *buf,
-                                      size_t cap,
+// Copies the shape of mesh `mesh` (FSDPTURBO_MESH_*) into `shape` (capacity `capacity`
+// elements) and stores its number of dims in `*out_len`. A short buffer (NULL with capacity 0
+// asks for the length) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set.
+// FSDPTURBO_MESH_EXPERT with ep_size 1 gives FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_topology_mesh_shape(const fsdpturbo_topology_t *topology,
+                                      int32_t mesh,
+                                      uint64_t *shape,
+                                      size_t capacity,
                                       size_t *out_len);
 
-// The process-wide registry as JSON, `{"op": {"device": impl_id, …}, …}` (sorted by name),
-// copied into `buf` with its NUL; `*out_len` receives the bytes needed.
-int32_t fsdpturbo_op_table_json(char *buf, size_t cap, size_t *out_len);
+// Copies the coordinate of `rank` in mesh `mesh` (row-major, last dim fastest, as torch
+// init_device_mesh) into `coordinate` and its length into `*out_len`. A rank outside the mesh
+// gives FSDPTURBO_ERR_INVALID_ARGUMENT; a short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL.
+int32_t fsdpturbo_topology_coordinate(const fsdpturbo_topology_t *topology,
+                                      int32_t mesh,
+                                      uint64_t rank,
+                                      uint64_t *coordinate,
+                                      size_t capacity,
+                                      size_t *out_len);
+
+// Copies the members of `rank`'s group over `dims` in mesh `mesh` into `members` and their
+// count into `*out_len`. `dims` is a comma-separated list of the mesh's dim names, e.g. "ep" or
+// "efsdp,ep". With one dim, member i has group-local rank i; with several, the order is
+// row-major over the dims as listed (the first slowest), like torch `mesh["efsdp", "ep"]`.
+// Unknown or repeated dims and ranks outside the mesh give FSDPTURBO_ERR_INVALID_ARGUMENT; a
+// short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set to the group size.
+int32_t fsdpturbo_topology_group(const fsdpturbo_topology_t *topology,
+                                 int32_t mesh,
+                                 const char *dims,
+                                 uint64_t rank,
+                                 uint64_t *members,
+                                 size_t capacity,
+                                 size_t *out_len);
+
+// Initialises the process-global parallel state with a copy of `topology`. Calling it again
+// with an equal topology is a no-op; with a different one it fails with FSDPTURBO_ERR_STATE and
+// the message "FSDPTurbo parallel state is already initialized with (dp, cp, ep), got
+// (dp, cp, ep)." followed by the fields that differ. Thread-safe.
+int32_t fsdpturbo_state_initialize(const fsdpturbo_topology_t *topology);
+
+// Stores in `*out` a new topology handle holding a copy of the global state's topology (free
+// it with fsdpturbo_topology_free). FSDPTURBO_ERR_STATE, with `*out` set to NULL, when the
+// state is not initialised.
+int32_t fsdpturbo_state_get(fsdpturbo_topology_t **out);
+
+// Forgets the process-global parallel state, so it can be initialised with another topology.
+// Handles obtained earlier stay valid. Leaves the thread's last error untouched.
+void fsdpturbo_state_reset(void);
+
+/* ============================================================================================
+ * Plans: module patterns, model specs, the expert plan
+ * ============================================================================================ */
 
 // Compiles a module-name pattern such as "model.layers.{*}.mlp.experts".
 //
@@ -841,6 +601,83 @@ void fsdpturbo_pattern_free(fsdpturbo_pattern_t *pattern);
 // receives the result. Errors as for fsdpturbo_pattern_compile. To match many names, compile
 // once with fsdpturbo_pattern_compile instead.
 int32_t fsdpturbo_module_name_match(const char *pattern, const char *name, bool *out);
+
+// Registers (or replaces, as the seed does) the spec of `model_type` in the process-wide
+// registry: `ep_modules` (n_ep patterns, at least one) and `ep_fsdp_modules` (n_fsdp
+// patterns; pass NULL and 0 to derive them by dropping a `.experts` suffix). Every pattern
+// is compiled first; an invalid one gives FSDPTURBO_ERR_INVALID_ARGUMENT and registers nothing.
+int32_t fsdpturbo_spec_register(const char *model_type,
+                                const char *const *ep_modules,
+                                size_t n_ep,
+                                const char *const *ep_fsdp_modules,
+                                size_t n_fsdp);
+
+// The registered spec of `model_type` as JSON (`{"model_type", "ep_modules",
+// "ep_fsdp_modules"}`), copied into `buf` with its NUL; `*out_len` receives the bytes needed.
+// An unregistered type gives FSDPTURBO_ERR_PLAN with the seed's message.
+int32_t fsdpturbo_spec_to_json(const char *model_type, char *buf, size_t cap, size_t *out_len);
+
+// Resolves the plan of the model described by `desc` under `config` and `topology`, using the
+// process-wide spec registry (built-ins plus fsdpturbo_spec_register).
+int32_t fsdpturbo_plan_resolve(const fsdpturbo_model_desc_t *desc,
+                               const fsdpturbo_config_t *config,
+                               const fsdpturbo_topology_t *topology,
+                               fsdpturbo_plan_t **out);
+
+// Like fsdpturbo_plan_resolve, for a built-in family (qwen3_moe, qwen3_5_moe) described by
+// the text of its Hugging Face config.json.
+int32_t fsdpturbo_plan_resolve_hf(const char *config_json,
+                                  const fsdpturbo_config_t *config,
+                                  const fsdpturbo_topology_t *topology,
+                                  fsdpturbo_plan_t **out);
+
+// Frees a plan; NULL is a no-op.
+void fsdpturbo_plan_free(fsdpturbo_plan_t *plan);
+
+// The number of EP modules in the plan (0 without expert parallelism).
+int32_t fsdpturbo_plan_num_ep_modules(const fsdpturbo_plan_t *plan, size_t *out);
+
+// EP module `index`: its name (into `name`, with NUL; `*name_len` gets the bytes needed), its
+// global and local expert counts.
+int32_t fsdpturbo_plan_ep_module(const fsdpturbo_plan_t *plan,
+                                 size_t index,
+                                 char *name,
+                                 size_t name_cap,
+                                 size_t *name_len,
+                                 uint64_t *num_global_experts,
+                                 uint64_t *num_local_experts);
+
+// The role of parameter `name` (FSDPTURBO_PARAM_*); an unknown name is an error.
+int32_t fsdpturbo_plan_param_role(const fsdpturbo_plan_t *plan, const char *name, int32_t *out);
+
+// What every gradient is divided by after its reduction (docs/design.md §4.1).
+int32_t fsdpturbo_plan_gradient_divide_factor(const fsdpturbo_plan_t *plan, double *out);
+
+// The global expert indices `rank` holds (`local_expert_indices`).
+int32_t fsdpturbo_plan_local_experts(const fsdpturbo_plan_t *plan,
+                                     uint64_t rank,
+                                     uint64_t *experts,
+                                     size_t cap,
+                                     size_t *out_len);
+
+// For each global expert, its index among its owner's local experts (`expert_ids_per_ep_rank`).
+int32_t fsdpturbo_plan_expert_ids_per_ep_rank(const fsdpturbo_plan_t *plan,
+                                              uint64_t *ids,
+                                              size_t cap,
+                                              size_t *out_len);
+
+// The memory `rank` holds under the plan.
+int32_t fsdpturbo_plan_memory(const fsdpturbo_plan_t *plan, uint64_t rank, fsdpturbo_memory_t *out);
+
+// The whole plan as JSON, copied into `buf` with its NUL; `*out_len` gets the bytes needed.
+int32_t fsdpturbo_plan_to_json(const fsdpturbo_plan_t *plan,
+                               char *buf,
+                               size_t cap,
+                               size_t *out_len);
+
+/* ============================================================================================
+ * Weights: shard placement and safetensors files
+ * ============================================================================================ */
 
 // torch 2.15's `_compute_local_shape_and_global_offset`: the local shape and the global
 // offset of the shard at `coordinate` of a tensor of `global_shape` (`ndim` dims) placed by
@@ -913,122 +750,6 @@ int32_t fsdpturbo_copy_bytes_back(const fsdpturbo_copy_plan_t *plan,
                                   size_t local_bytes,
                                   void *full,
                                   size_t full_bytes);
-
-// Resolves the plan of the model described by `desc` under `config` and `topology`, using the
-// process-wide spec registry (built-ins plus fsdpturbo_spec_register).
-int32_t fsdpturbo_plan_resolve(const fsdpturbo_model_desc_t *desc,
-                               const fsdpturbo_config_t *config,
-                               const fsdpturbo_topology_t *topology,
-                               fsdpturbo_plan_t **out);
-
-// Like fsdpturbo_plan_resolve, for a built-in family (qwen3_moe, qwen3_5_moe) described by
-// the text of its Hugging Face config.json.
-int32_t fsdpturbo_plan_resolve_hf(const char *config_json,
-                                  const fsdpturbo_config_t *config,
-                                  const fsdpturbo_topology_t *topology,
-                                  fsdpturbo_plan_t **out);
-
-// Frees a plan; NULL is a no-op.
-void fsdpturbo_plan_free(fsdpturbo_plan_t *plan);
-
-// The number of EP modules in the plan (0 without expert parallelism).
-int32_t fsdpturbo_plan_num_ep_modules(const fsdpturbo_plan_t *plan, size_t *out);
-
-// EP module `index`: its name (into `name`, with NUL; `*name_len` gets the bytes needed), its
-// global and local expert counts.
-int32_t fsdpturbo_plan_ep_module(const fsdpturbo_plan_t *plan,
-                                 size_t index,
-                                 char *name,
-                                 size_t name_cap,
-                                 size_t *name_len,
-                                 uint64_t *num_global_experts,
-                                 uint64_t *num_local_experts);
-
-// The role of parameter `name` (FSDPTURBO_PARAM_*); an unknown name is an error.
-int32_t fsdpturbo_plan_param_role(const fsdpturbo_plan_t *plan, const char *name, int32_t *out);
-
-// What every gradient is divided by after its reduction (docs/design.md §4.1).
-int32_t fsdpturbo_plan_gradient_divide_factor(const fsdpturbo_plan_t *plan, double *out);
-
-// The global expert indices `rank` holds (`local_expert_indices`).
-int32_t fsdpturbo_plan_local_experts(const fsdpturbo_plan_t *plan,
-                                     uint64_t rank,
-                                     uint64_t *experts,
-                                     size_t cap,
-                                     size_t *out_len);
-
-// For each global expert, its index among its owner's local experts (`expert_ids_per_ep_rank`).
-int32_t fsdpturbo_plan_expert_ids_per_ep_rank(const fsdpturbo_plan_t *plan,
-                                              uint64_t *ids,
-                                              size_t cap,
-                                              size_t *out_len);
-
-// The memory `rank` holds under the plan.
-int32_t fsdpturbo_plan_memory(const fsdpturbo_plan_t *plan, uint64_t rank, fsdpturbo_memory_t *out);
-
-// The whole plan as JSON, copied into `buf` with its NUL; `*out_len` gets the bytes needed.
-int32_t fsdpturbo_plan_to_json(const fsdpturbo_plan_t *plan,
-                               char *buf,
-                               size_t cap,
-                               size_t *out_len);
-
-// Routes this rank's tokens (docs/design.md §4.4; the seed's `dispatch_preprocess` and first sort).
-// `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
-// gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
-// - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;
-// - `permutation[tokens * top_k]`: the flat slot indices `t * top_k + k` sorted by expert,
-//   ties in flat order (a stable sort: the seed's `sorted`); permuted row i is token
-//   `permutation[i] / top_k`;
-// - `input_splits[P]`: the rows this rank sends to each ep rank.
-//
-// Ids outside [0, E) are rejected (the message names the id and its token and k), as are a
-// zero `top_k`, `num_experts` or `ep_size`. Zero tokens are fine (NULL arrays then allowed for
-// `expert_ids` and `permutation`).
-int32_t fsdpturbo_route(const int64_t *expert_ids,
-                        size_t tokens,
-                        size_t top_k,
-                        size_t num_experts,
-                        size_t ep_size,
-                        uint64_t *tokens_per_expert,
-                        uint64_t *permutation,
-                        uint64_t *input_splits);
-
-// Row gather: `dst[i, :] = src[rows[i] / row_divisor, :]` for row-major `src` of `hidden`
-// columns (`src_bytes` must be a whole number of rows) and `dst[n_rows, hidden]`
-// (`dst_bytes` must be exactly `n_rows * hidden` elements). `row_divisor` 1 is a plain gather;
-// `top_k` with the `permutation` of fsdpturbo_route gathers the permuted tokens (the seed's
-// `permute`), and with an order of the received rows and 1 it regroups them (the
-// second-level permute). The element type only sets the row size (any FSDPTURBO_DTYPE_*).
-// Rows outside `src` are rejected before anything is written.
-int32_t fsdpturbo_permute_rows(int32_t dtype,
-                               const void *src,
-                               size_t src_bytes,
-                               size_t hidden,
-                               const uint64_t *rows,
-                               size_t n_rows,
-                               size_t row_divisor,
-                               void *dst,
-                               size_t dst_bytes);
-
-// The combine unpermute: `out[t, :] = sum over k of probs[t, k] * permuted[inv[t * top_k + k], :]`,
-// where `inv` inverts `permutation` (fsdpturbo_route's, a permutation of 0..tokens*top_k) and
-// `permuted[tokens * top_k, hidden]` is in permuted order; `out[tokens, hidden]`. `probs`
-// (`[tokens, top_k]`, same element type, `probs_bytes` exactly that) may be NULL with
-// `probs_bytes` 0: every weight is then 1 (with top_k 1 this inverts fsdpturbo_permute_rows).
-// Deterministic: the sum runs over k in k order in f32 (double for F64 data) and is rounded
-// once; bf16/f16 results round to nearest even. A `permutation` that is not a permutation is
-// rejected.
-int32_t fsdpturbo_unpermute(int32_t dtype,
-                            const void *permuted,
-                            size_t permuted_bytes,
-                            size_t hidden,
-                            const uint64_t *permutation,
-                            size_t tokens,
-                            size_t top_k,
-                            const void *probs,
-                            size_t probs_bytes,
-                            void *out,
-                            size_t out_bytes);
 
 // The number of bytes before a safetensors file's data section (8 + the JSON header length),
 // from its first `len` (>= 8) bytes at `prefix`: how many bytes to read from the start of the
@@ -1137,103 +858,426 @@ int32_t fsdpturbo_read_plan_dtype(const fsdpturbo_read_plan_t *plan,
                                   size_t cap,
                                   size_t *out_len);
 
-// Registers (or replaces, as the seed does) the spec of `model_type` in the process-wide
-// registry: `ep_modules` (n_ep patterns, at least one) and `ep_fsdp_modules` (n_fsdp
-// patterns; pass NULL and 0 to derive them by dropping a `.experts` suffix). Every pattern
-// is compiled first; an invalid one gives FSDPTURBO_ERR_INVALID_ARGUMENT and registers nothing.
-int32_t fsdpturbo_spec_register(const char *model_type,
-                                const char *const *ep_modules,
-                                size_t n_ep,
-                                const char *const *ep_fsdp_modules,
-                                size_t n_fsdp);
+/* ============================================================================================
+ * Host kernels: routing, the grouped GEMM, the instruction set
+ * ============================================================================================ */
 
-// The registered spec of `model_type` as JSON (`{"model_type", "ep_modules",
-// "ep_fsdp_modules"}`), copied into `buf` with its NUL; `*out_len` receives the bytes needed.
-// An unregistered type gives FSDPTURBO_ERR_PLAN with the seed's message.
-int32_t fsdpturbo_spec_to_json(const char *model_type, char *buf, size_t cap, size_t *out_len);
+// Routes this rank's tokens (docs/design.md §4.4; the seed's `dispatch_preprocess` and first sort).
+// `expert_ids` holds the top-k expert ids `[tokens, top_k]` row-major (int64, as `torch.topk`
+// gives), `num_experts` = E global experts, `ep_size` = P (E must be divisible by P). Writes:
+// - `tokens_per_expert[E]`: how many (token, k) slots chose each expert;
+// - `permutation[tokens * top_k]`: the flat slot indices `t * top_k + k` sorted by expert,
+//   ties in flat order (a stable sort: the seed's `sorted`); permuted row i is token
+//   `permutation[i] / top_k`;
+// - `input_splits[P]`: the rows this rank sends to each ep rank.
+//
+// Ids outside [0, E) are rejected (the message names the id and its token and k), as are a
+// zero `top_k`, `num_experts` or `ep_size`. Zero tokens are fine (NULL arrays then allowed for
+// `expert_ids` and `permutation`).
+int32_t fsdpturbo_route(const int64_t *expert_ids,
+                        size_t tokens,
+                        size_t top_k,
+                        size_t num_experts,
+                        size_t ep_size,
+                        uint64_t *tokens_per_expert,
+                        uint64_t *permutation,
+                        uint64_t *input_splits);
 
-// Initialises the process-global parallel state with a copy of `topology`. Calling it again
-// with an equal topology is a no-op; with a different one it fails with FSDPTURBO_ERR_STATE and
-// the message "FSDPTurbo parallel state is already initialized with (dp, cp, ep), got
-// (dp, cp, ep)." followed by the fields that differ. Thread-safe.
-int32_t fsdpturbo_state_initialize(const fsdpturbo_topology_t *topology);
+// Row gather: `dst[i, :] = src[rows[i] / row_divisor, :]` for row-major `src` of `hidden`
+// columns (`src_bytes` must be a whole number of rows) and `dst[n_rows, hidden]`
+// (`dst_bytes` must be exactly `n_rows * hidden` elements). `row_divisor` 1 is a plain gather;
+// `top_k` with the `permutation` of fsdpturbo_route gathers the permuted tokens (the seed's
+// `permute`), and with an order of the received rows and 1 it regroups them (the
+// second-level permute). The element type only sets the row size (any FSDPTURBO_DTYPE_*).
+// Rows outside `src` are rejected before anything is written.
+int32_t fsdpturbo_permute_rows(int32_t dtype,
+                               const void *src,
+                               size_t src_bytes,
+                               size_t hidden,
+                               const uint64_t *rows,
+                               size_t n_rows,
+                               size_t row_divisor,
+                               void *dst,
+                               size_t dst_bytes);
 
-// Stores in `*out` a new topology handle holding a copy of the global state's topology (free
-// it with fsdpturbo_topology_free). FSDPTURBO_ERR_STATE, with `*out` set to NULL, when the
-// state is not initialised.
-int32_t fsdpturbo_state_get(fsdpturbo_topology_t **out);
+// The combine unpermute: `out[t, :] = sum over k of probs[t, k] * permuted[inv[t * top_k + k], :]`,
+// where `inv` inverts `permutation` (fsdpturbo_route's, a permutation of 0..tokens*top_k) and
+// `permuted[tokens * top_k, hidden]` is in permuted order; `out[tokens, hidden]`. `probs`
+// (`[tokens, top_k]`, same element type, `probs_bytes` exactly that) may be NULL with
+// `probs_bytes` 0: every weight is then 1 (with top_k 1 this inverts fsdpturbo_permute_rows).
+// Deterministic: the sum runs over k in k order in f32 (double for F64 data) and is rounded
+// once; bf16/f16 results round to nearest even. A `permutation` that is not a permutation is
+// rejected.
+int32_t fsdpturbo_unpermute(int32_t dtype,
+                            const void *permuted,
+                            size_t permuted_bytes,
+                            size_t hidden,
+                            const uint64_t *permutation,
+                            size_t tokens,
+                            size_t top_k,
+                            const void *probs,
+                            size_t probs_bytes,
+                            void *out,
+                            size_t out_bytes);
 
-// Forgets the process-global parallel state, so it can be initialised with another topology.
-// Handles obtained earlier stay valid. Leaves the thread's last error untouched.
-void fsdpturbo_state_reset(void);
+// Grouped matmul (the experts' GEMM): `x[N, in_features]` holds `group_rows[g]` consecutive
+// rows for each of the `groups` groups (N = sum of group_rows), `weight[groups, out_features,
+// in_features]` (the HF expert layout), and `y[rows of g] = x[rows of g] @ weight[g]^T`,
+// `y[N, out_features]`. One element type for all buffers (F32, F64, BF16, F16; bf16/f16
+// accumulate in f32); `*_bytes` must match the shapes exactly. Empty groups are fine. Large
+// problems use all cores; results do not depend on the thread count.
+int32_t fsdpturbo_grouped_mm(int32_t dtype,
+                             const void *x,
+                             size_t x_bytes,
+                             const uint64_t *group_rows,
+                             size_t groups,
+                             size_t in_features,
+                             size_t out_features,
+                             const void *weight,
+                             size_t weight_bytes,
+                             void *y,
+                             size_t y_bytes);
 
-// Builds a topology from `options` and stores a new handle in `*out` (NULL on failure).
-// Errors: FSDPTURBO_ERR_NULL_ARGUMENT, FSDPTURBO_ERR_STRUCT_SIZE (options not initialised with
-// FSDPTURBO_TOPOLOGY_OPTIONS_INIT), FSDPTURBO_ERR_TOPOLOGY (inconsistent sizes; the message
-// names them and what is accepted).
-int32_t fsdpturbo_topology_new(const fsdpturbo_topology_options_t *options,
-                               fsdpturbo_topology_t **out);
+// The input gradient of fsdpturbo_grouped_mm: `grad_x[rows of g] = grad_y[rows of g] @
+// weight[g]`, `grad_y[N, out_features]`, `grad_x[N, in_features]`; shapes and types as there.
+int32_t fsdpturbo_grouped_mm_grad_input(int32_t dtype,
+                                        const void *grad_y,
+                                        size_t grad_y_bytes,
+                                        const uint64_t *group_rows,
+                                        size_t groups,
+                                        size_t in_features,
+                                        size_t out_features,
+                                        const void *weight,
+                                        size_t weight_bytes,
+                                        void *grad_x,
+                                        size_t grad_x_bytes);
 
-// Builds the topology that `config` asks for on `world_size` ranks and stores a new handle in
-// `*out` (NULL on failure): its dp_size, cp_size, mp_replicate_size, mp_shard_size and
-// dist_config's ep_size and efsdp_size, each one the YAML leaves unset taking its default
-// formula, as with fsdpturbo_topology_new. Errors: FSDPTURBO_ERR_NULL_ARGUMENT,
-// FSDPTURBO_ERR_TOPOLOGY (sizes that do not fit `world_size`; the message names them and
-// what is accepted).
-int32_t fsdpturbo_topology_from_config(const fsdpturbo_config_t *config,
-                                       uint64_t world_size,
-                                       fsdpturbo_topology_t **out);
+// The weight gradient of fsdpturbo_grouped_mm: `grad_weight[g] = grad_y[rows of g]^T @
+// x[rows of g]`, `grad_weight[groups, out_features, in_features]`, zero for empty groups;
+// shapes and types as there.
+int32_t fsdpturbo_grouped_mm_grad_weight(int32_t dtype,
+                                         const void *grad_y,
+                                         size_t grad_y_bytes,
+                                         const void *x,
+                                         size_t x_bytes,
+                                         const uint64_t *group_rows,
+                                         size_t groups,
+                                         size_t in_features,
+                                         size_t out_features,
+                                         void *grad_weight,
+                                         size_t grad_weight_bytes);
 
-// Frees a topology handle; NULL is a no-op. Leaves the thread's last error untouched, so it
-// can be called while cleaning up after a failure.
-void fsdpturbo_topology_free(fsdpturbo_topology_t *topology);
+// Writes the name of the instruction set the host kernels use in this process, "portable",
+// "avx2" or "avx512" (a static string), to `*out_name`. It is the best this CPU and this build
+// have (avx512: AVX-512F and a build by rustc >= 1.89; avx2: AVX2, FMA and F16C; portable:
+// every CPU, the only choice off x86-64), capped by the environment variable
+// FSDPTURBO_HOST_ISA (portable, avx2 or avx512; unset or empty: the best), which is read once
+// per process. Every path gives the same bits; the variable changes speed only.
+//
+// A value of FSDPTURBO_HOST_ISA that is none of those is FSDPTURBO_ERR_INVALID_ARGUMENT, one
+// that names an instruction set this CPU or build lacks FSDPTURBO_ERR_UNAVAILABLE, here and from
+// every host kernel (fsdpturbo_grouped_mm and its gradients, fsdpturbo_unpermute,
+// fsdpturbo_local_power_sum, fsdpturbo_scale_in_place, fsdpturbo_clip_grad_norm*), with a
+// message naming the variable, the value, what is accepted and what this host supports.
+int32_t fsdpturbo_host_isa(const char **out_name);
 
-// Stores one size of the topology in `*out`. `dim` is one of: "world", "dp", "cp",
-// "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp" (always equal to cp). With
-// ep_size 1, efsdp and edp are 1. An unknown name gives FSDPTURBO_ERR_INVALID_ARGUMENT.
-int32_t fsdpturbo_topology_size(const fsdpturbo_topology_t *topology,
-                                const char *dim,
-                                uint64_t *out);
+/* ============================================================================================
+ * Gradient norm and clipping
+ * ============================================================================================ */
 
-// Copies the shape of mesh `mesh` (FSDPTURBO_MESH_*) into `shape` (capacity `capacity`
-// elements) and stores its number of dims in `*out_len`. A short buffer (NULL with capacity 0
-// asks for the length) gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set.
-// FSDPTURBO_MESH_EXPERT with ep_size 1 gives FSDPTURBO_ERR_INVALID_ARGUMENT.
-int32_t fsdpturbo_topology_mesh_shape(const fsdpturbo_topology_t *topology,
-                                      int32_t mesh,
-                                      uint64_t *shape,
-                                      size_t capacity,
+// The reduction plan of a gradient list without computing anything (docs/design.md §4.2):
+// which mesh dims each gradient's local p-power sum must be reduced over, grouped into
+// distinct sets in first-seen order, so a caller that does its own collectives (the Python
+// package) issues one reduction per set, the same on every rank. Only `dims`, `roles` and
+// `n_dims` of each gradient are read (give the placements of the *parameter*, shared by all
+// ranks); the data fields are ignored.
+//
+// Outputs: `grad_set[i]` (an array of `n_grads` entries) receives the set of gradient i. The
+// sets go to `set_dims`, concatenated, each sorted ascending, with `set_ends[s]` the end of set
+// s in `set_dims` (its start is `set_ends[s - 1]`, or 0); the empty set (plain and fully
+// replicated gradients) needs no collective. `*out_n_sets` and `*out_n_set_dims` always
+// receive the lengths; `n_grads` and the total of `n_dims` are upper bounds, and a short
+// buffer gives FSDPTURBO_ERR_BUFFER_TOO_SMALL with nothing written but the lengths. A Partial
+// role, or a mesh-dim id twice in one gradient, is FSDPTURBO_ERR_INVALID_ARGUMENT naming it.
+int32_t fsdpturbo_norm_plan(const fsdpturbo_grad_t *grads,
+                            size_t n_grads,
+                            size_t *grad_set,
+                            size_t *set_ends,
+                            size_t set_ends_cap,
+                            size_t *out_n_sets,
+                            uint32_t *set_dims,
+                            size_t set_dims_cap,
+                            size_t *out_n_set_dims);
+
+// Computes the placement-aware total norm of the gradients `grads[0..n_grads]` and clips them
+// in place (docs/design.md §4.2): each gradient's local p-power sum is reduced over the mesh dims on
+// which it is Shard (Replicate dims are counted once; Partial is rejected: reduce it first),
+// with one `reduce` call per distinct set of dims, in first-seen order over `grads`, on every
+// rank, also when this rank holds no elements (the value is then 0). Gradients of plain
+// tensors need no collective. The total norm is written to `*out_total_norm`; when it is
+// finite and above `max_norm`, every gradient is multiplied by `max_norm / (total + 1e-6)`.
+// A nan/inf total leaves the gradients untouched and is returned (FSDPTURBO_OK), or, with
+// `error_if_nonfinite`, written and reported as FSDPTURBO_ERR_INVALID_ARGUMENT.
+//
+// Pass the same gradient list (the parameters known to all ranks, with numel 0 where this
+// rank holds nothing) on every rank. `reduce` may be NULL only when no set needs a collective.
+// A non-zero return from `reduce` aborts with that status and a message naming the set;
+// nothing is modified then, nor on any argument error.
+int32_t fsdpturbo_clip_grad_norm(const fsdpturbo_clip_options_t *options,
+                                 const fsdpturbo_grad_t *grads,
+                                 size_t n_grads,
+                                 fsdpturbo_reduce_fn reduce,
+                                 void *user,
+                                 double *out_total_norm);
+
+// Multiplies every element of `grads[0..n_grads]` (through `mut_data`) by `coef` in place with
+// the fused host kernel: f64 arithmetic for f64 data, f32 for the others, rounded to nearest
+// even for f16/bf16 (as torch's `mul_` by a Python float). The layout fields are not used.
+int32_t fsdpturbo_scale_in_place(const fsdpturbo_grad_t *grads, size_t n_grads, double coef);
+
+// The local p-power sum, the sum of |x|^p over all elements of `grads[0..n_grads]` (max |x| when
+// `norm_type` is INFINITY; any NaN gives NaN; no elements give 0), computed by the fused host
+// kernels with double (`accumulate_f64`) or float accumulation; the layout fields (`dims`,
+// `roles`, `n_dims`) are not used. Written to `*out_value`.
+int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
+                                  size_t n_grads,
+                                  double norm_type,
+                                  bool accumulate_f64,
+                                  double *out_value);
+
+/* ============================================================================================
+ * Collectives: communicators and NCCL
+ * ============================================================================================ */
+
+// A communicator of one rank (every collective is a copy).
+int32_t fsdpturbo_comm_single_new(fsdpturbo_comm_t **out_comm);
+
+// A communicator over the embedder's process group, through callbacks (host memory).
+int32_t fsdpturbo_comm_host_new(const fsdpturbo_host_collective_t *callbacks,
+                                fsdpturbo_comm_t **out_comm);
+
+// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
+int32_t fsdpturbo_nccl_version(int32_t *out_version);
+
+// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
+// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
+int32_t fsdpturbo_nccl_unique_id(uint8_t *out_id);
+
+// Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
+// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made. Blocks until all ranks joined.
+// Free it with fsdpturbo_comm_free on every rank. Buffers of its collectives are device memory.
+int32_t fsdpturbo_comm_nccl_new(const uint8_t *id,
+                                size_t world_size,
+                                size_t rank,
+                                int32_t device,
+                                fsdpturbo_comm_t **out_comm);
+
+// Frees a communicator; NULL is a no-op. For NCCL this destroys the communicator: call it on
+// every rank.
+void fsdpturbo_comm_free(fsdpturbo_comm_t *comm);
+
+// This rank and the group size.
+int32_t fsdpturbo_comm_rank(const fsdpturbo_comm_t *comm, size_t *out_rank, size_t *out_world_size);
+
+// All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
+// `send` into `recv` (may be equal, must not overlap otherwise), in the communicator's memory
+// (device memory ordered on `stream` for NCCL; host memory otherwise, where `stream` is ignored).
+int32_t fsdpturbo_comm_all_reduce(const fsdpturbo_comm_t *comm,
+                                  const void *send,
+                                  void *recv,
+                                  size_t count,
+                                  int32_t dtype,
+                                  int32_t op,
+                                  void *stream);
+
+// All-gather: `recv` (`count` × world_size elements) receives every rank's `count` elements of
+// `send`, in rank order (FSDPTURBO_DTYPE_* `dtype`; buffers in the communicator's memory and on
+// `stream` as for fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host
+// communicator made without the `all_gather` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
+int32_t fsdpturbo_comm_all_gather(const fsdpturbo_comm_t *comm,
+                                  const void *send,
+                                  void *recv,
+                                  size_t count,
+                                  int32_t dtype,
+                                  void *stream);
+
+// Reduce-scatter: rank r's `recv` (`count` elements) receives the reduction (FSDPTURBO_REDUCE_*
+// `op`) over ranks of block r of `send` (`count` × world_size elements; FSDPTURBO_DTYPE_*
+// `dtype`; buffers in the communicator's memory and on `stream` as for
+// fsdpturbo_comm_all_reduce; `send` and `recv` must not overlap). A host communicator made
+// without the `reduce_scatter` callback fails with FSDPTURBO_ERR_UNAVAILABLE.
+int32_t fsdpturbo_comm_reduce_scatter(const fsdpturbo_comm_t *comm,
+                                      const void *send,
+                                      void *recv,
+                                      size_t count,
+                                      int32_t dtype,
+                                      int32_t op,
+                                      void *stream);
+
+// All-to-all-v: rank p gets `send_counts[p]` elements from `send + send_displs[p]` and this
+// rank receives `recv_counts[p]` elements at `recv + recv_displs[p]` (elements; world_size
+// entries each; counts must agree pairwise). NCCL skips empty pairs.
+int32_t fsdpturbo_comm_all_to_all_v(const fsdpturbo_comm_t *comm,
+                                    const void *send,
+                                    void *recv,
+                                    const size_t *send_counts,
+                                    const size_t *send_displs,
+                                    const size_t *recv_counts,
+                                    const size_t *recv_displs,
+                                    int32_t dtype,
+                                    void *stream);
+
+// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
+// of mesh dims over which gradients are sharded are reduced by the communicator of the
+// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
+// value through device memory). A set without an entry is an error on every rank alike.
+int32_t fsdpturbo_clip_grad_norm_comm(const fsdpturbo_clip_options_t *options,
+                                      const fsdpturbo_grad_t *grads,
+                                      size_t n_grads,
+                                      const fsdpturbo_comm_group_t *groups,
+                                      size_t n_groups,
+                                      double *out_total_norm);
+
+/* ============================================================================================
+ * Ascend: HCCL and the NPU operators
+ * ============================================================================================ */
+
+// Writes a fresh HCCL root info (`FSDPTURBO_HCCL_ROOT_INFO_BYTES` bytes) to `out`; call on one
+// rank and send the bytes to every rank of the group.
+int32_t fsdpturbo_hccl_root_info(uint8_t *out, size_t len);
+
+// Joins the HCCL communicator of `world_size` ranks described by `root` (`len` bytes).
+int32_t fsdpturbo_hccl_comm_new(const uint8_t *root,
+                                size_t len,
+                                uint32_t world_size,
+                                uint32_t rank,
+                                fsdpturbo_hccl_comm_t **out);
+
+// Writes the communicator's name (`HcclGetCommName`, NUL-terminated) to `out`, which holds
+// `len` bytes; `len` must be at least FSDPTURBO_HCCL_COMM_NAME_BYTES (128).
+int32_t fsdpturbo_hccl_comm_name(const fsdpturbo_hccl_comm_t *comm, char *out, size_t len);
+
+// Destroys a communicator; NULL is a no-op.
+void fsdpturbo_hccl_comm_free(fsdpturbo_hccl_comm_t *comm);
+
+// All-to-all-v of `dtype` (FSDPTURBO_DTYPE_*) elements: `world_size` counts and displacements
+// per direction, in elements; queued on `stream`.
+int32_t fsdpturbo_hccl_all_to_all_v(const fsdpturbo_hccl_comm_t *comm,
+                                    const void *send,
+                                    void *recv,
+                                    const uint64_t *send_counts,
+                                    const uint64_t *send_displs,
+                                    const uint64_t *recv_counts,
+                                    const uint64_t *recv_displs,
+                                    size_t world_size,
+                                    int32_t dtype,
+                                    void *stream);
+
+// Grouped matmul through aclnn (V5, or V4 where V5 is absent) with per-group counts
+// (`group_list`: int64, one entry per group) on `stream`. `group_type` 0: x [M,K], weight
+// [G,K,N], out [M,N], `split_item` 2; `group_type` 2 (split along K): x [M,K], weight [K,N],
+// out [G,M,N], `split_item` 3. x, weight and out have `dtype` (FSDPTURBO_DTYPE_*).
+int32_t fsdpturbo_npu_grouped_mm(int32_t dtype,
+                                 const fsdpturbo_npu_view_t *x,
+                                 const fsdpturbo_npu_view_t *weight,
+                                 const fsdpturbo_npu_view_t *group_list,
+                                 const fsdpturbo_npu_view_t *out,
+                                 int64_t split_item,
+                                 int64_t group_type,
+                                 fsdpturbo_npu_alloc_fn alloc,
+                                 void *alloc_ctx,
+                                 void *stream);
+
+// The aclnn grouped-matmul version in use (5 or 4), loading the libraries if needed.
+int32_t fsdpturbo_npu_grouped_mm_version(uint32_t *out);
+
+// `aclnnMoeTokenPermute`: `permuted` ([T·K, H]) gets the rows of `tokens` ([T, H]) in the
+// stable order of `indices` (int32, [T, K]; K ≤ 512), and `sorted_indices` (int32, [T·K]) the
+// row of every flat (token, k) slot. `tokens` and `permuted` have `dtype`.
+int32_t fsdpturbo_npu_moe_token_permute(int32_t dtype,
+                                        const fsdpturbo_npu_view_t *tokens,
+                                        const fsdpturbo_npu_view_t *indices,
+                                        const fsdpturbo_npu_view_t *permuted,
+                                        const fsdpturbo_npu_view_t *sorted_indices,
+                                        fsdpturbo_npu_alloc_fn alloc,
+                                        void *alloc_ctx,
+                                        void *stream);
+
+// `aclnnMoeTokenUnpermute`: `out[t] = Σ_k permuted[sorted_indices[t·K + k]] · probs[t, k]`
+// (`probs` [T, K] of `dtype`, or NULL for K = 1). `sorted_indices` is int32.
+int32_t fsdpturbo_npu_moe_token_unpermute(int32_t dtype,
+                                          const fsdpturbo_npu_view_t *permuted,
+                                          const fsdpturbo_npu_view_t *sorted_indices,
+                                          const fsdpturbo_npu_view_t *probs,
+                                          const fsdpturbo_npu_view_t *out,
+                                          fsdpturbo_npu_alloc_fn alloc,
+                                          void *alloc_ctx,
+                                          void *stream);
+
+// `aclnnAlltoAllvGroupedMatMul`: the rows of `x` ([Σ send_counts, K], grouped by destination
+// expert) to their experts' ranks, permuted local-expert-major (also written to `permute_out`,
+// [Σ recv_counts, K], unless NULL), times the weight of their expert: `gmm_y` [Σ recv_counts, N].
+// bfloat16 or float16 (`dtype`); every rank of the communicator calls it.
+int32_t fsdpturbo_npu_alltoallv_grouped_mm(int32_t dtype,
+                                           const fsdpturbo_npu_view_t *x,
+                                           const fsdpturbo_npu_view_t *weight,
+                                           const fsdpturbo_npu_exchange_t *exchange_spec,
+                                           const fsdpturbo_npu_view_t *gmm_y,
+                                           const fsdpturbo_npu_view_t *permute_out,
+                                           fsdpturbo_npu_alloc_fn alloc,
+                                           void *alloc_ctx,
+                                           void *stream);
+
+// `aclnnGroupedMatMulAlltoAllv`: local-expert-major rows `x` ([Σ send_counts, K]) times their
+// expert's weight, put back in source order and returned to the ranks they came from: `y`
+// [Σ recv_counts, N]. bfloat16 or float16; every rank of the communicator calls it.
+int32_t fsdpturbo_npu_grouped_mm_alltoallv(int32_t dtype,
+                                           const fsdpturbo_npu_view_t *x,
+                                           const fsdpturbo_npu_view_t *weight,
+                                           const fsdpturbo_npu_exchange_t *exchange_spec,
+                                           const fsdpturbo_npu_view_t *y,
+                                           fsdpturbo_npu_alloc_fn alloc,
+                                           void *alloc_ctx,
+                                           void *stream);
+
+/* ============================================================================================
+ * The operator registry
+ * ============================================================================================ */
+
+// Registers a new implementation of `op_name` for `device_type` ("cpu", "cuda", "npu", …: a
+// torch device type, without an index) in the process-wide registry. `*out_impl` receives its
+// id (never 0); `*out_replaced` the id of the implementation it replaced for the same pair (as
+// the seed does, silently), or 0. Operator names are `[A-Za-z_][A-Za-z0-9_.]*`, device types
+// `[a-z][a-z0-9_]*`; others give FSDPTURBO_ERR_INVALID_ARGUMENT and register nothing.
+int32_t fsdpturbo_op_register(const char *op_name,
+                              const char *device_type,
+                              uint64_t *out_impl,
+                              uint64_t *out_replaced);
+
+// Resolves `op_name` for `device_type` with the seed's rules: the device's own
+// implementation (`*out_how` = FSDPTURBO_OP_EXACT), else the "cpu" one
+// (FSDPTURBO_OP_CPU_FALLBACK_WARN the first time for this pair, then
+// FSDPTURBO_OP_CPU_FALLBACK); `*out_impl` receives the implementation id. An operator that is
+// not registered, or has neither the device nor "cpu", gives FSDPTURBO_ERR_NOT_FOUND with the
+// seed's message ("Operator 'x' is not registered…", "Operator 'x' not available for device
+// 'y' and no CPU fallback exists…"); malformed names FSDPTURBO_ERR_INVALID_ARGUMENT.
+int32_t fsdpturbo_op_resolve(const char *op_name,
+                             const char *device_type,
+                             uint64_t *out_impl,
+                             int32_t *out_how);
+
+// The seed's fallback warning for (`op_name`, `device_type`), "Operator 'x' not available for
+// device 'y', falling back to CPU implementation", copied into `buf` with its NUL; `*out_len`
+// receives the bytes needed. Names are validated as for fsdpturbo_op_register.
+int32_t fsdpturbo_op_fallback_warning(const char *op_name,
+                                      const char *device_type,
+                                      char *buf,
+                                      size_t cap,
                                       size_t *out_len);
 
-// Copies the coordinate of `rank` in mesh `mesh` (row-major, last dim fastest, as torch
-// init_device_mesh) into `coordinate` and its length into `*out_len`. A rank outside the mesh
-// gives FSDPTURBO_ERR_INVALID_ARGUMENT; a short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL.
-int32_t fsdpturbo_topology_coordinate(const fsdpturbo_topology_t *topology,
-                                      int32_t mesh,
-                                      uint64_t rank,
-                                      uint64_t *coordinate,
-                                      size_t capacity,
-                                      size_t *out_len);
-
-// Copies the members of `rank`'s group over `dims` in mesh `mesh` into `members` and their
-// count into `*out_len`. `dims` is a comma-separated list of the mesh's dim names, e.g. "ep" or
-// "efsdp,ep". With one dim, member i has group-local rank i; with several, the order is
-// row-major over the dims as listed (the first slowest), like torch `mesh["efsdp", "ep"]`.
-// Unknown or repeated dims and ranks outside the mesh give FSDPTURBO_ERR_INVALID_ARGUMENT; a
-// short buffer FSDPTURBO_ERR_BUFFER_TOO_SMALL with `*out_len` set to the group size.
-int32_t fsdpturbo_topology_group(const fsdpturbo_topology_t *topology,
-                                 int32_t mesh,
-                                 const char *dims,
-                                 uint64_t rank,
-                                 uint64_t *members,
-                                 size_t capacity,
-                                 size_t *out_len);
-
-// The library version as a static NUL-terminated string, e.g. "0.1.0".
-const char *fsdpturbo_version(void);
-
-// The ABI version this library implements (FSDPTURBO_ABI_VERSION of its header).
-uint32_t fsdpturbo_abi_version(void);
+// The process-wide registry as JSON, `{"op": {"device": impl_id, …}, …}` (sorted by name),
+// copied into `buf` with its NUL; `*out_len` receives the bytes needed.
+int32_t fsdpturbo_op_table_json(char *buf, size_t cap, size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

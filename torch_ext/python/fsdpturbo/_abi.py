@@ -8,13 +8,7 @@ opaque pointers are c_void_p; strings and byte buffers (char *, uint8_t *) are c
 import ctypes as _c
 
 # Constants (#define and enum values).
-FSDPTURBO_REDUCE_PROD = 2
-FSDPTURBO_REDUCE_MIN = 3
-FSDPTURBO_NCCL_UNIQUE_ID_BYTES = 128
-FSDPTURBO_DISPATCHER_EAGER = 0
-FSDPTURBO_DISPATCHER_FUSED = 1
-FSDPTURBO_DISPATCHER_MC2 = 2
-FSDPTURBO_DISPATCHER_DOMINO = 3
+FSDPTURBO_ABI_VERSION = 3
 FSDPTURBO_DTYPE_F32 = 0
 FSDPTURBO_DTYPE_F64 = 1
 FSDPTURBO_DTYPE_F16 = 2
@@ -22,28 +16,34 @@ FSDPTURBO_DTYPE_BF16 = 3
 FSDPTURBO_DTYPE_U8 = 4
 FSDPTURBO_DTYPE_I32 = 5
 FSDPTURBO_DTYPE_I64 = 6
-FSDPTURBO_HCCL_ROOT_INFO_BYTES = 4108
-FSDPTURBO_HCCL_COMM_NAME_BYTES = 128
+FSDPTURBO_DISPATCHER_EAGER = 0
+FSDPTURBO_DISPATCHER_FUSED = 1
+FSDPTURBO_DISPATCHER_MC2 = 2
+FSDPTURBO_DISPATCHER_DOMINO = 3
+FSDPTURBO_MESH_DATA = 0
+FSDPTURBO_MESH_MODEL = 1
+FSDPTURBO_MESH_EXPERT = 2
+FSDPTURBO_MAX_EXPERTS = 65536
+FSDPTURBO_PARAM_EXPERT = 0
+FSDPTURBO_PARAM_IGNORED = 2
+FSDPTURBO_PARAM_DENSE = 3
+FSDPTURBO_PLACEMENT_SHARD = 0
+FSDPTURBO_PLACEMENT_STRIDED_SHARD = 1
+FSDPTURBO_PLACEMENT_REPLICATE = 2
+FSDPTURBO_PLACEMENT_PARTIAL = 3
 FSDPTURBO_REDUCE_SUM = 0
 FSDPTURBO_REDUCE_MAX = 1
 FSDPTURBO_DIM_SHARD = 0
 FSDPTURBO_DIM_REPLICATE = 1
 FSDPTURBO_DIM_PARTIAL = 2
+FSDPTURBO_REDUCE_PROD = 2
+FSDPTURBO_REDUCE_MIN = 3
+FSDPTURBO_NCCL_UNIQUE_ID_BYTES = 128
+FSDPTURBO_HCCL_ROOT_INFO_BYTES = 4108
+FSDPTURBO_HCCL_COMM_NAME_BYTES = 128
 FSDPTURBO_OP_EXACT = 0
 FSDPTURBO_OP_CPU_FALLBACK = 1
 FSDPTURBO_OP_CPU_FALLBACK_WARN = 2
-FSDPTURBO_PLACEMENT_SHARD = 0
-FSDPTURBO_PLACEMENT_STRIDED_SHARD = 1
-FSDPTURBO_PLACEMENT_REPLICATE = 2
-FSDPTURBO_PLACEMENT_PARTIAL = 3
-FSDPTURBO_MAX_EXPERTS = 65536
-FSDPTURBO_PARAM_EXPERT = 0
-FSDPTURBO_PARAM_IGNORED = 2
-FSDPTURBO_PARAM_DENSE = 3
-FSDPTURBO_MESH_DATA = 0
-FSDPTURBO_MESH_MODEL = 1
-FSDPTURBO_MESH_EXPERT = 2
-FSDPTURBO_ABI_VERSION = 3
 FSDPTURBO_GEMM_FORWARD = 0
 FSDPTURBO_GEMM_GRAD_INPUT = 1
 FSDPTURBO_GEMM_GRAD_WEIGHT = 2
@@ -82,7 +82,27 @@ STATUS_NAMES = {
 # Structs (fields below, so that they may point at each other).
 
 
-class fsdpturbo_host_collective_t(_c.Structure):
+class fsdpturbo_topology_options_t(_c.Structure):
+    pass
+
+
+class fsdpturbo_model_desc_t(_c.Structure):
+    pass
+
+
+class fsdpturbo_memory_t(_c.Structure):
+    pass
+
+
+class fsdpturbo_placement_t(_c.Structure):
+    pass
+
+
+class fsdpturbo_byte_range_t(_c.Structure):
+    pass
+
+
+class fsdpturbo_grad_t(_c.Structure):
     pass
 
 
@@ -90,7 +110,7 @@ class fsdpturbo_clip_options_t(_c.Structure):
     pass
 
 
-class fsdpturbo_grad_t(_c.Structure):
+class fsdpturbo_host_collective_t(_c.Structure):
     pass
 
 
@@ -106,50 +126,51 @@ class fsdpturbo_npu_exchange_t(_c.Structure):
     pass
 
 
-class fsdpturbo_placement_t(_c.Structure):
-    pass
-
-
-class fsdpturbo_model_desc_t(_c.Structure):
-    pass
-
-
-class fsdpturbo_memory_t(_c.Structure):
-    pass
-
-
-class fsdpturbo_byte_range_t(_c.Structure):
-    pass
-
-
-class fsdpturbo_topology_options_t(_c.Structure):
-    pass
-
-
 # Callback types.
+fsdpturbo_reduce_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint32), _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_double))
 fsdpturbo_host_all_reduce_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32)
 fsdpturbo_host_all_gather_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32)
 fsdpturbo_host_all_to_all_v_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_int32)
-fsdpturbo_reduce_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint32), _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_double))
 fsdpturbo_npu_alloc_fn = _c.CFUNCTYPE(_c.c_void_p, _c.c_void_p, _c.c_uint64)
 
 # Struct fields.
-fsdpturbo_host_collective_t._fields_ = [
+fsdpturbo_topology_options_t._fields_ = [
     ('struct_size', _c.c_size_t),
-    ('rank', _c.c_size_t),
-    ('world_size', _c.c_size_t),
-    ('user', _c.c_void_p),
-    ('all_reduce', fsdpturbo_host_all_reduce_fn),
-    ('all_gather', fsdpturbo_host_all_gather_fn),
-    ('reduce_scatter', fsdpturbo_host_all_reduce_fn),
-    ('all_to_all_v', fsdpturbo_host_all_to_all_v_fn),
+    ('world_size', _c.c_uint64),
+    ('dp_size', _c.c_uint64),
+    ('cp_size', _c.c_uint64),
+    ('mp_replicate_size', _c.c_uint64),
+    ('mp_shard_size', _c.c_uint64),
+    ('ep_size', _c.c_uint64),
+    ('efsdp_size', _c.c_uint64),
 ]
-fsdpturbo_clip_options_t._fields_ = [
+fsdpturbo_model_desc_t._fields_ = [
     ('struct_size', _c.c_size_t),
-    ('max_norm', _c.c_double),
-    ('norm_type', _c.c_double),
-    ('error_if_nonfinite', _c.c_bool),
-    ('accumulate_f64', _c.c_bool),
+    ('model_type', _c.c_char_p),
+    ('module_names', _c.POINTER(_c.c_char_p)),
+    ('n_modules', _c.c_size_t),
+    ('param_names', _c.POINTER(_c.c_char_p)),
+    ('param_ndims', _c.POINTER(_c.c_size_t)),
+    ('param_shapes', _c.POINTER(_c.c_uint64)),
+    ('n_params', _c.c_size_t),
+]
+fsdpturbo_memory_t._fields_ = [
+    ('param_elements', _c.c_uint64),
+    ('param_bytes', _c.c_uint64),
+    ('grad_bytes', _c.c_uint64),
+    ('optimizer_bytes', _c.c_uint64),
+    ('total_bytes', _c.c_uint64),
+]
+fsdpturbo_placement_t._fields_ = [
+    ('kind', _c.c_int32),
+    ('dim', _c.c_int64),
+    ('split_factor', _c.c_int64),
+]
+fsdpturbo_byte_range_t._fields_ = [
+    ('file', _c.c_uint64),
+    ('offset', _c.c_uint64),
+    ('length', _c.c_uint64),
+    ('dst_offset', _c.c_uint64),
 ]
 fsdpturbo_grad_t._fields_ = [
     ('data', _c.c_void_p),
@@ -159,6 +180,23 @@ fsdpturbo_grad_t._fields_ = [
     ('dims', _c.POINTER(_c.c_uint32)),
     ('roles', _c.POINTER(_c.c_int32)),
     ('n_dims', _c.c_size_t),
+]
+fsdpturbo_clip_options_t._fields_ = [
+    ('struct_size', _c.c_size_t),
+    ('max_norm', _c.c_double),
+    ('norm_type', _c.c_double),
+    ('error_if_nonfinite', _c.c_bool),
+    ('accumulate_f64', _c.c_bool),
+]
+fsdpturbo_host_collective_t._fields_ = [
+    ('struct_size', _c.c_size_t),
+    ('rank', _c.c_size_t),
+    ('world_size', _c.c_size_t),
+    ('user', _c.c_void_p),
+    ('all_reduce', fsdpturbo_host_all_reduce_fn),
+    ('all_gather', fsdpturbo_host_all_gather_fn),
+    ('reduce_scatter', fsdpturbo_host_all_reduce_fn),
+    ('all_to_all_v', fsdpturbo_host_all_to_all_v_fn),
 ]
 fsdpturbo_comm_group_t._fields_ = [
     ('dims', _c.POINTER(_c.c_uint32)),
@@ -181,62 +219,16 @@ fsdpturbo_npu_exchange_t._fields_ = [
     ('recv_counts', _c.POINTER(_c.c_int64)),
     ('trans_weight', _c.c_bool),
 ]
-fsdpturbo_placement_t._fields_ = [
-    ('kind', _c.c_int32),
-    ('dim', _c.c_int64),
-    ('split_factor', _c.c_int64),
-]
-fsdpturbo_model_desc_t._fields_ = [
-    ('struct_size', _c.c_size_t),
-    ('model_type', _c.c_char_p),
-    ('module_names', _c.POINTER(_c.c_char_p)),
-    ('n_modules', _c.c_size_t),
-    ('param_names', _c.POINTER(_c.c_char_p)),
-    ('param_ndims', _c.POINTER(_c.c_size_t)),
-    ('param_shapes', _c.POINTER(_c.c_uint64)),
-    ('n_params', _c.c_size_t),
-]
-fsdpturbo_memory_t._fields_ = [
-    ('param_elements', _c.c_uint64),
-    ('param_bytes', _c.c_uint64),
-    ('grad_bytes', _c.c_uint64),
-    ('optimizer_bytes', _c.c_uint64),
-    ('total_bytes', _c.c_uint64),
-]
-fsdpturbo_byte_range_t._fields_ = [
-    ('file', _c.c_uint64),
-    ('offset', _c.c_uint64),
-    ('length', _c.c_uint64),
-    ('dst_offset', _c.c_uint64),
-]
-fsdpturbo_topology_options_t._fields_ = [
-    ('struct_size', _c.c_size_t),
-    ('world_size', _c.c_uint64),
-    ('dp_size', _c.c_uint64),
-    ('cp_size', _c.c_uint64),
-    ('mp_replicate_size', _c.c_uint64),
-    ('mp_shard_size', _c.c_uint64),
-    ('ep_size', _c.c_uint64),
-    ('efsdp_size', _c.c_uint64),
-]
 
 # Functions: name -> (restype, argtypes), in header order (public, then internal).
 FUNCTIONS = {
+    'fsdpturbo_last_error': (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
+    'fsdpturbo_status_name': (_c.c_char_p, [_c.c_int32]),
+    'fsdpturbo_version': (_c.c_char_p, []),
+    'fsdpturbo_abi_version': (_c.c_uint32, []),
     'fsdpturbo_add_library_dirs': (_c.c_int32, [_c.POINTER(_c.c_char_p), _c.c_size_t]),
     'fsdpturbo_nvrtc_version': (_c.c_int32, [_c.POINTER(_c.c_int32), _c.POINTER(_c.c_int32)]),
     'fsdpturbo_cuda_compile_kernels': (_c.c_int32, [_c.c_uint32, _c.c_bool, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_comm_single_new': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_comm_host_new': (_c.c_int32, [_c.POINTER(fsdpturbo_host_collective_t), _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_nccl_version': (_c.c_int32, [_c.POINTER(_c.c_int32)]),
-    'fsdpturbo_nccl_unique_id': (_c.c_int32, [_c.c_char_p]),
-    'fsdpturbo_comm_nccl_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_comm_free': (None, [_c.c_void_p]),
-    'fsdpturbo_comm_rank': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_comm_all_reduce': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
-    'fsdpturbo_comm_all_gather': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_void_p]),
-    'fsdpturbo_comm_reduce_scatter': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
-    'fsdpturbo_comm_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_int32, _c.c_void_p]),
-    'fsdpturbo_clip_grad_norm_comm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(fsdpturbo_comm_group_t), _c.c_size_t, _c.POINTER(_c.c_double)]),
     'fsdpturbo_config_parse': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_config_free': (None, [_c.c_void_p]),
     'fsdpturbo_config_to_json': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
@@ -245,43 +237,22 @@ FUNCTIONS = {
     'fsdpturbo_config_dp_size': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_config_efsdp_size': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_config_dispatcher': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_int32)]),
-    'fsdpturbo_last_error': (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
-    'fsdpturbo_status_name': (_c.c_char_p, [_c.c_int32]),
-    'fsdpturbo_grouped_mm': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_grouped_mm_grad_input': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_grouped_mm_grad_weight': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_hccl_root_info': (_c.c_int32, [_c.c_char_p, _c.c_size_t]),
-    'fsdpturbo_hccl_comm_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_hccl_comm_name': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t]),
-    'fsdpturbo_hccl_comm_free': (None, [_c.c_void_p]),
-    'fsdpturbo_hccl_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_int32, _c.c_void_p]),
-    'fsdpturbo_host_isa': (_c.c_int32, [_c.POINTER(_c.c_char_p)]),
-    'fsdpturbo_norm_plan': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_clip_grad_norm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, fsdpturbo_reduce_fn, _c.c_void_p, _c.POINTER(_c.c_double)]),
-    'fsdpturbo_scale_in_place': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double]),
-    'fsdpturbo_local_power_sum': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double, _c.c_bool, _c.POINTER(_c.c_double)]),
-    'fsdpturbo_npu_grouped_mm': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.c_int64, _c.c_int64, fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_grouped_mm_version': (_c.c_int32, [_c.POINTER(_c.c_uint32)]),
-    'fsdpturbo_npu_moe_token_permute': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_moe_token_unpermute': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_alltoallv_grouped_mm': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_npu_grouped_mm_alltoallv': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
-    'fsdpturbo_op_register': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
-    'fsdpturbo_op_resolve': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_int32)]),
-    'fsdpturbo_op_fallback_warning': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_op_table_json': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_topology_new': (_c.c_int32, [_c.POINTER(fsdpturbo_topology_options_t), _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_topology_from_config': (_c.c_int32, [_c.c_void_p, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_topology_free': (None, [_c.c_void_p]),
+    'fsdpturbo_topology_size': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_topology_mesh_shape': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_topology_coordinate': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.c_uint64, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_topology_group': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.c_char_p, _c.c_uint64, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_state_initialize': (_c.c_int32, [_c.c_void_p]),
+    'fsdpturbo_state_get': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_state_reset': (None, []),
     'fsdpturbo_pattern_compile': (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_pattern_match': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_bool)]),
     'fsdpturbo_pattern_free': (None, [_c.c_void_p]),
     'fsdpturbo_module_name_match': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_bool)]),
-    'fsdpturbo_local_shape_and_offset': (_c.c_int32, [_c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(fsdpturbo_placement_t), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
-    'fsdpturbo_copy_plan_new': (_c.c_int32, [_c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(fsdpturbo_placement_t), _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_copy_plan_free': (None, [_c.c_void_p]),
-    'fsdpturbo_copy_plan_runs': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_copy_plan_local_shape': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_copy_plan_local_numel': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64)]),
-    'fsdpturbo_copy_bytes': (_c.c_int32, [_c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_copy_bytes_back': (_c.c_int32, [_c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_spec_register': (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_char_p), _c.c_size_t, _c.POINTER(_c.c_char_p), _c.c_size_t]),
+    'fsdpturbo_spec_to_json': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_plan_resolve': (_c.c_int32, [_c.POINTER(fsdpturbo_model_desc_t), _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_plan_resolve_hf': (_c.c_int32, [_c.c_char_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_plan_free': (None, [_c.c_void_p]),
@@ -293,9 +264,14 @@ FUNCTIONS = {
     'fsdpturbo_plan_expert_ids_per_ep_rank': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_plan_memory': (_c.c_int32, [_c.c_void_p, _c.c_uint64, _c.POINTER(fsdpturbo_memory_t)]),
     'fsdpturbo_plan_to_json': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_route': (_c.c_int32, [_c.POINTER(_c.c_int64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
-    'fsdpturbo_permute_rows': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
-    'fsdpturbo_unpermute': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_local_shape_and_offset': (_c.c_int32, [_c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(fsdpturbo_placement_t), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_copy_plan_new': (_c.c_int32, [_c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(fsdpturbo_placement_t), _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_copy_plan_free': (None, [_c.c_void_p]),
+    'fsdpturbo_copy_plan_runs': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_copy_plan_local_shape': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_copy_plan_local_numel': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_copy_bytes': (_c.c_int32, [_c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_copy_bytes_back': (_c.c_int32, [_c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_safetensors_header_size': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_safetensors_parse': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_safetensors_free': (None, [_c.c_void_p]),
@@ -308,20 +284,44 @@ FUNCTIONS = {
     'fsdpturbo_read_plan_local_shape': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_read_plan_local_bytes': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_uint64)]),
     'fsdpturbo_read_plan_dtype': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_spec_register': (_c.c_int32, [_c.c_char_p, _c.POINTER(_c.c_char_p), _c.c_size_t, _c.POINTER(_c.c_char_p), _c.c_size_t]),
-    'fsdpturbo_spec_to_json': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_state_initialize': (_c.c_int32, [_c.c_void_p]),
-    'fsdpturbo_state_get': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_state_reset': (None, []),
-    'fsdpturbo_topology_new': (_c.c_int32, [_c.POINTER(fsdpturbo_topology_options_t), _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_topology_from_config': (_c.c_int32, [_c.c_void_p, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_topology_free': (None, [_c.c_void_p]),
-    'fsdpturbo_topology_size': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]),
-    'fsdpturbo_topology_mesh_shape': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_topology_coordinate': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.c_uint64, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_topology_group': (_c.c_int32, [_c.c_void_p, _c.c_int32, _c.c_char_p, _c.c_uint64, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
-    'fsdpturbo_version': (_c.c_char_p, []),
-    'fsdpturbo_abi_version': (_c.c_uint32, []),
+    'fsdpturbo_route': (_c.c_int32, [_c.POINTER(_c.c_int64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_permute_rows': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_unpermute': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_grouped_mm': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_grouped_mm_grad_input': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_grouped_mm_grad_weight': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
+    'fsdpturbo_host_isa': (_c.c_int32, [_c.POINTER(_c.c_char_p)]),
+    'fsdpturbo_norm_plan': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_clip_grad_norm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, fsdpturbo_reduce_fn, _c.c_void_p, _c.POINTER(_c.c_double)]),
+    'fsdpturbo_scale_in_place': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double]),
+    'fsdpturbo_local_power_sum': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double, _c.c_bool, _c.POINTER(_c.c_double)]),
+    'fsdpturbo_comm_single_new': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_comm_host_new': (_c.c_int32, [_c.POINTER(fsdpturbo_host_collective_t), _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_nccl_version': (_c.c_int32, [_c.POINTER(_c.c_int32)]),
+    'fsdpturbo_nccl_unique_id': (_c.c_int32, [_c.c_char_p]),
+    'fsdpturbo_comm_nccl_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_comm_free': (None, [_c.c_void_p]),
+    'fsdpturbo_comm_rank': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_comm_all_reduce': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_comm_all_gather': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_comm_reduce_scatter': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_comm_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_clip_grad_norm_comm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(fsdpturbo_comm_group_t), _c.c_size_t, _c.POINTER(_c.c_double)]),
+    'fsdpturbo_hccl_root_info': (_c.c_int32, [_c.c_char_p, _c.c_size_t]),
+    'fsdpturbo_hccl_comm_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_hccl_comm_name': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t]),
+    'fsdpturbo_hccl_comm_free': (None, [_c.c_void_p]),
+    'fsdpturbo_hccl_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_int32, _c.c_void_p]),
+    'fsdpturbo_npu_grouped_mm': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.c_int64, _c.c_int64, fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_grouped_mm_version': (_c.c_int32, [_c.POINTER(_c.c_uint32)]),
+    'fsdpturbo_npu_moe_token_permute': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_moe_token_unpermute': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_alltoallv_grouped_mm': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_npu_grouped_mm_alltoallv': (_c.c_int32, [_c.c_int32, _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_view_t), _c.POINTER(fsdpturbo_npu_exchange_t), _c.POINTER(fsdpturbo_npu_view_t), fsdpturbo_npu_alloc_fn, _c.c_void_p, _c.c_void_p]),
+    'fsdpturbo_op_register': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]),
+    'fsdpturbo_op_resolve': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_int32)]),
+    'fsdpturbo_op_fallback_warning': (_c.c_int32, [_c.c_char_p, _c.c_char_p, _c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
+    'fsdpturbo_op_table_json': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_cuda_route_workspace': (_c.c_size_t, [_c.c_size_t, _c.c_size_t, _c.c_size_t]),
     'fsdpturbo_cuda_route': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.POINTER(_c.c_int64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_int64), _c.POINTER(_c.c_int64), _c.POINTER(_c.c_int64), _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_cuda_permute_rows': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.POINTER(_c.c_int64), _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_void_p, _c.c_size_t]),

@@ -195,10 +195,12 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     its expert adapters taken over; `train_against_peft`; then the saved adapter loads with PEFT
     onto the unsharded model and gives the sharded logits, PEFT's save_pretrained is guarded,
     and a state dict in PEFT's layout (verl's, taken before wrapping) is refused naming
-    `fsdpturbo.load_lora_adapter`."""
+    `fsdpturbo.load_lora_adapter` (through verl's load: on rank 0; the others get torch's
+    missing keys)."""
     import os
 
     from peft import PeftModel
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     import fsdpturbo
     from fsdp_turbo.distributed.parallel_state import reset_parallel_state
@@ -224,8 +226,13 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     logits_gate(unsharded, ids).check("logits", logits, "FSDPTurbo against PEFT's load of its adapter")
     with pytest.raises(RuntimeError, match="save_lora_adapter"):
         model.save_pretrained(os.path.join(tmp, "refused"))
-    with pytest.raises(RuntimeError, match=r"PEFT's names and layout .*fsdpturbo.load_lora_adapter"):
+    refused = r"PEFT's names and layout .*fsdpturbo.load_lora_adapter"
+    with pytest.raises(RuntimeError, match=refused):
         model.load_state_dict(peft_state)
+    # verl's fsdp2_load_full_state_dict: the other ranks get only the keys the model has
+    with pytest.raises(RuntimeError, match=refused if rank == 0 else "Missing key"):
+        set_model_state_dict(model, peft_state if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     reset_parallel_state()
 
 

@@ -96,10 +96,44 @@ def accumulated_step(ids):
     return step_fn
 
 
+def train_against_peft(model, reference, clip, where):
+    """`STEPS` AdamW steps of the sharded PEFT `model`, MICRO_BATCHES micro-batches each (each
+    rank forwards its own row), against the one-process `reference` (a `fsdpturbo.parity.Reference`
+    of the PEFT model): each step starts it from the run's parameters and steps it with the
+    run's gradients clipped by `clip(model, max_norm)`; the loss, every adapter gradient, the
+    grad norm and every parameter after the step through the parity gate; the base weights get
+    no gradient and no optimizer state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {name for name in trainable if "lora_" in name} and \
+        sum(".mlp.experts." in name for name in trainable) == 8, (where, sorted(trainable))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        reference.load(peft_full(model, dict(model.named_parameters())))
+        ids = _micro_batches(step, world)
+        losses = []
+        for micro in ids:
+            loss = model(input_ids=micro[rank:rank + 1], labels=micro[rank:rank + 1]).loss / MICRO_BATCHES
+            loss.backward()
+            losses.append(loss.detach())
+        gate = reference.step(accumulated_step(ids), rows=world)
+        mean_loss = torch.stack(losses).sum()
+        dist.all_reduce(mean_loss)
+        gate.check("loss", mean_loss / world, f"{where} step {step}")
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad), where
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        gate.check_all({f"grad {name}": g for name, g in peft_full(model, grads).items()}, f"{where} step {step}")
+        gate.check("grad norm", clip(model, 1.0), f"{where} step {step}")
+        gate = reference.optimizer_step(peft_full(model, {n: p.grad for n, p in model.named_parameters()
+                                                          if p.requires_grad}))
+        optimizer.step()
+        optimizer.zero_grad()
+        assert {id(p) for p in optimizer.state} == {id(p) for p in model.parameters() if p.requires_grad}, where
+        gate.check_all(peft_full(model, dict(model.named_parameters())), f"{where} after step {step}")
+
+
 def _train_rank_fn(rank, world, layouts):
-    """Per layout: `STEPS` AdamW steps of MICRO_BATCHES micro-batches each, activation
-    checkpointing on; each step starts both references from the run's parameters, and the
-    references step with the run's clipped gradients (as test_train does)."""
+    """Per layout: `train_against_peft` with activation checkpointing on (as test_train does)."""
     from fsdpturbo import clip_grad_norm_, expert_lora
     from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import Reference
@@ -118,32 +152,7 @@ def _train_rank_fn(rank, world, layouts):
         experts = model.get_base_model().model.layers[0].mlp.experts
         # ep 1: no expert parallelism, PEFT's own wrappers stay (under the outer FSDP2)
         assert (expert_lora.expert_lora(experts) is not None) == (layout["ep"] > 1), where
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        assert trainable == {name for name in trainable if "lora_" in name} and \
-            sum(".mlp.experts." in name for name in trainable) == 8, (where, sorted(trainable))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        for step in range(STEPS):
-            reference.load(peft_full(model, dict(model.named_parameters())))
-            ids = _micro_batches(step, world)
-            losses = []
-            for micro in ids:
-                loss = model(input_ids=micro[rank:rank + 1], labels=micro[rank:rank + 1]).loss / MICRO_BATCHES
-                loss.backward()
-                losses.append(loss.detach())
-            gate = reference.step(accumulated_step(ids), rows=world)
-            mean_loss = torch.stack(losses).sum()
-            dist.all_reduce(mean_loss)
-            gate.check("loss", mean_loss / world, f"{where} step {step}")
-            assert all(p.grad is None for p in model.parameters() if not p.requires_grad), where
-            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-            gate.check_all({f"grad {name}": g for name, g in peft_full(model, grads).items()}, f"{where} step {step}")
-            gate.check("grad norm", clip_grad_norm_(model, 1.0), f"{where} step {step}")
-            gate = reference.optimizer_step(peft_full(model, {n: p.grad for n, p in model.named_parameters()
-                                                              if p.requires_grad}))
-            optimizer.step()
-            optimizer.zero_grad()
-            assert {id(p) for p in optimizer.state} == {id(p) for p in model.parameters() if p.requires_grad}, where
-            gate.check_all(peft_full(model, dict(model.named_parameters())), f"{where} after step {step}")
+        train_against_peft(model, reference, clip_grad_norm_, where)
 
 
 # On 4 ranks; efsdp None = dp/ep (2 with ep 2, 1 with ep 4). Capacity factor 8: room for every slot.
@@ -160,6 +169,77 @@ def test_expert_lora_training_equals_one_process_peft():
     2 micro-batches of gradient accumulation; the base weights get no gradient and no optimizer
     state."""
     run_ranks(_train_rank_fn, 4, LAYOUTS, timeout=900)
+
+
+def turbo_config():
+    """FSDPTurbo's standalone configuration at (fsdp 4, ep 2, efsdp 2), eager, with recompute: the
+    patterns name the model inside the PEFT model, some with PEFT's prefix `base_model.model.`
+    (read without it)."""
+    from fsdp_turbo.fsdp_turbo_config import (DistributedConfig, EPPlanConfig, FSDPPlanConfig, FSDPTurboConfig,
+                                              MemoryConfig)
+
+    peft = "base_model.model."
+    return FSDPTurboConfig(
+        distributed=DistributedConfig(
+            fully_shard_parallel_size=4, expert_parallel_size=2, expert_fully_shard_parallel_size=2,
+            fsdp_plan=FSDPPlanConfig(apply_modules={f"{peft}model.layers.{{*}}": {}, "lm_head": {}},
+                                     reduce_dtype="fp32", hook_modules=[f"{peft}model.layers.{{*}}.mlp"],
+                                     ignored_params=[f"{peft}model.norm.weight"], pin_memory=False),
+            ep_plan=EPPlanConfig(apply_modules=EXPERT_PATTERN, apply_efsdp_modules=[peft + EXPERT_PATTERN[0]],
+                                 dispatcher="eager")),
+        memory=MemoryConfig(recompute=True, recompute_plan=["model.layers.{*}"]))
+
+
+def _fsdp_turbo_rank_fn(rank, world, tmp):
+    """`FSDPTurbo(config, peft_model)` as verl's LoRA path calls it: `.model` is the PEFT model,
+    its expert adapters taken over; `train_against_peft`; then the saved adapter loads with PEFT
+    onto the unsharded model and gives the sharded logits, PEFT's save_pretrained is guarded,
+    and a state dict in PEFT's layout (verl's, taken before wrapping) is refused naming
+    `fsdpturbo.load_lora_adapter` (through verl's load: on rank 0; the others get torch's
+    missing keys)."""
+    import os
+
+    from peft import PeftModel
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    import fsdpturbo
+    from fsdp_turbo.distributed.parallel_state import reset_parallel_state
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+    from fsdp_turbo.training.clip_grads import clip_grad_norm
+    from fsdpturbo import expert_lora
+    from fsdpturbo.parity import Reference
+
+    reference = Reference(build_peft_model(), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+    peft_model = build_peft_model()
+    peft_state = peft_model.state_dict()
+    wrapper = FSDPTurbo(turbo_config(), peft_model)
+    model = wrapper.model
+    assert model is peft_model and expert_lora.expert_lora(model.get_base_model().model.layers[1].mlp.experts)
+    train_against_peft(model, reference, lambda m, max_norm: clip_grad_norm(model=wrapper, max_norm=max_norm),
+                       "FSDPTurbo")
+
+    ids = _micro_batches(STEPS, world)[0]
+    logits = _gathered_logits(model, ids)
+    fsdpturbo.save_lora_adapter(model, os.path.join(tmp, "adapter"))
+    unsharded = PeftModel.from_pretrained(build_model("qwen3_moe", 0, tiny_config("qwen3_moe")),
+                                          os.path.join(tmp, "adapter"))
+    logits_gate(unsharded, ids).check("logits", logits, "FSDPTurbo against PEFT's load of its adapter")
+    with pytest.raises(RuntimeError, match="save_lora_adapter"):
+        model.save_pretrained(os.path.join(tmp, "refused"))
+    refused = r"PEFT's names and layout .*fsdpturbo.load_lora_adapter"
+    with pytest.raises(RuntimeError, match=refused):
+        model.load_state_dict(peft_state)
+    # verl's fsdp2_load_full_state_dict: the other ranks get only the keys the model has
+    with pytest.raises(RuntimeError, match=refused if rank == 0 else "Missing key"):
+        set_model_state_dict(model, peft_state if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    reset_parallel_state()
+
+
+def test_fsdp_turbo_on_a_peft_model(tmp_path):
+    """The standalone API on the PEFT model at (fsdp 4, ep 2, efsdp 2), with recompute and
+    gradient accumulation, against the one-process PEFT model."""
+    run_ranks(_fsdp_turbo_rank_fn, 4, str(tmp_path), timeout=300)
 
 
 def _gathered_logits(model, ids):

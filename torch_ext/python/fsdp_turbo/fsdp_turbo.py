@@ -11,6 +11,14 @@ the meta device on every rank but 0, and its weights are loaded afterwards with
 ms-swift fork do. The configuration is read when wrapping (consumers change fields, such as
 `fsdp_plan.cpu_offload`, after construction).
 
+A PEFT model (verl's LoRA path hands over `get_peft_model`'s) is transformed as `shard_model`
+does it: the plan's module and parameter names are those of the model inside it
+(`get_base_model()`: `model.layers.{*}.mlp.experts`), and a name written with PEFT's prefix
+`base_model.model.` names the same module; with ep > 1 the adapters on the experts
+(`target_parameters`) move onto the expert modules (`fsdpturbo.expert_lora`), and the PEFT
+model's `save_pretrained` and `load_state_dict` are guarded (`fsdpturbo.adapters.guard_taken_over`).
+`.model` stays the PEFT model, the root of the outer FSDP2.
+
 Gradients: each rank's loss is the mean over its share of the global batch (under Ulysses,
 the whole loss of its data rank's sequences, the same on every rank of its Ulysses group, as
 `causal_lm_loss` gives it), so every gradient is the sum over the ranks holding it divided by
@@ -18,6 +26,7 @@ the world size (the dense HSDP's default, the
 experts' `gradient_divide_factor`); parameters kept whole outside FSDP2 (`ignored_modules`,
 `ignored_params`) are summed over all ranks and divided alike.
 """
+import copy
 import dataclasses
 import logging
 
@@ -25,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdpturbo import adapters, expert_lora
 from fsdpturbo.efsdp import expert_fully_shard_modules, mixed_precision_policy
 from fsdpturbo.engine import reduce_replicated_gradients
 from fsdpturbo.ep import expert_parallelize_modules
@@ -41,13 +51,22 @@ __all__ = ["FSDPTurbo"]
 logger = logging.getLogger(__name__)
 
 
+PEFT_PREFIX = "base_model.model."  # a PEFT model's names of the model inside it
+
+
+def _inner_name(name):
+    """A plan's module or parameter name, against the model inside a PEFT model."""
+    return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+
+
 def _matching(model, patterns, path):
-    """{pattern: [(name, module) matching it, in named_modules order]}; a pattern matching no
-    module is a ConfigError naming `path`."""
+    """{pattern: [(name, module) of `model` matching it, in named_modules order]}; a pattern
+    matching no module is a ConfigError naming `path`. A pattern's PEFT prefix is dropped
+    (`_inner_name`: `model` is never a PEFT model)."""
     named = list(model.named_modules())
     found = {}
     for pattern in patterns:
-        compiled = Pattern(pattern)
+        compiled = Pattern(_inner_name(pattern))
         found[pattern] = [(name, module) for name, module in named if compiled.match(name)]
     unmatched = [p for p, hits in found.items() if not hits]
     if unmatched:
@@ -72,8 +91,9 @@ def _without_cache(module, args, kwargs):
 
 class FSDPTurbo(nn.Module):
     """`FSDPTurbo(config, model).model` is `model`, sharded; `.parallel_state` the process's
-    `fsdp_turbo.distributed.parallel_state.ParallelState`. Collective: every rank wraps the same
-    model structure with the same configuration."""
+    `fsdp_turbo.distributed.parallel_state.ParallelState`. `model` may be a PEFT model (the
+    plan names the model inside it; see the module's doc). Collective: every rank wraps the
+    same model structure with the same configuration."""
 
     def __init__(self, config, model):
         super().__init__()
@@ -86,18 +106,24 @@ class FSDPTurbo(nn.Module):
         self._apply_expert_parallel()
         self._apply_recompute()
         self._apply_fully_shard()
+        adapters.guard_taken_over(self.model, self._inner)
+
+    @property
+    def _inner(self):
+        """The model the plan names: the model inside a PEFT model, else `.model` itself."""
+        return expert_lora.inner_model(self.model)
 
     def _apply_context_parallel(self):
         distributed = self.config.distributed
         if distributed.ulysses_parallel_size == 1:
             return
-        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        attention = getattr(getattr(self._inner, "config", None), "_attn_implementation", None)
         if any(e["type"] == "full_attention" for e in distributed.cp_plan.ulysses_function_patches) \
                 and attention != "eager":
             raise ConfigError([f"distributed.cp_plan.ulysses_function_patches: full_attention wraps the eager "
-                               f"attention function, but {type(self.model).__name__} attends with {attention!r}, "
+                               f"attention function, but {type(self._inner).__name__} attends with {attention!r}, "
                                f"which does not call it; accepted: a model with attn_implementation='eager'"])
-        problems = apply_cp_plan(self.model, self.parallel_state.get_ulysses_group(), distributed.cp_plan)
+        problems = apply_cp_plan(self._inner, self.parallel_state.get_ulysses_group(), distributed.cp_plan)
         if problems:
             raise ConfigError(problems)
 
@@ -105,7 +131,7 @@ class FSDPTurbo(nn.Module):
         unmatched = []
         for i, spec in enumerate(self.config.module_patches):
             target_key, replacement_key = next(k for k in PATCH_KEYS if set(spec) == set(k))
-            if not apply_module_patch(self.model, spec[target_key], spec[replacement_key]):
+            if not apply_module_patch(self._inner, spec[target_key], spec[replacement_key]):
                 unmatched.append(f"module_patches[{i}]: target {spec[target_key]!r} is neither a module-level "
                                  f"callable nor a 'module.Class.member' of a class of this model's modules")
         if unmatched:
@@ -116,14 +142,17 @@ class FSDPTurbo(nn.Module):
         if distributed.expert_parallel_size == 1:
             return
         plan = distributed.ep_plan
+        for field in ("apply_modules", "apply_efsdp_modules"):  # each pattern must match (the engine: any)
+            _matching(self._inner, getattr(plan, field) or [], f"distributed.ep_plan.{field}")
         # EFSDP shards the expert modules inside each unit: without `.experts` parents, the
         # expert modules are the units.
-        plan = dataclasses.replace(plan, apply_efsdp_modules=plan.apply_efsdp_modules or plan.apply_modules)
-        for field in ("apply_modules", "apply_efsdp_modules"):  # each pattern must match (the engine: any)
-            _matching(self.model, getattr(plan, field), f"distributed.ep_plan.{field}")
-        expert_parallelize_modules(self.model, self.parallel_state.get_ep_device_mesh(), plan)
-        expert_fully_shard_modules(self.model, self.parallel_state.get_efsdp_device_mesh(), plan,
-                                   distributed.fsdp_plan)
+        names = [_inner_name(p) for p in plan.apply_modules or []]
+        plan = dataclasses.replace(plan, apply_modules=names,
+                                   apply_efsdp_modules=[_inner_name(p) for p in plan.apply_efsdp_modules or []] or names)
+        fsdp_plan = copy.copy(distributed.fsdp_plan)
+        fsdp_plan.hook_modules = fsdp_plan.hook_modules and [_inner_name(p) for p in fsdp_plan.hook_modules]
+        expert_parallelize_modules(self._inner, self.parallel_state.get_ep_device_mesh(), plan)
+        expert_fully_shard_modules(self._inner, self.parallel_state.get_efsdp_device_mesh(), plan, fsdp_plan)
 
     def _apply_recompute(self):
         from torch.distributed._composable import checkpoint
@@ -131,7 +160,7 @@ class FSDPTurbo(nn.Module):
         memory = self.config.memory
         if not memory.recompute:
             return
-        matched = _matching(self.model, memory.recompute_plan, "memory.recompute_plan")
+        matched = _matching(self._inner, memory.recompute_plan, "memory.recompute_plan")
         for name, module in {id(m): (n, m) for hits in matched.values() for n, m in hits}.values():
             if getattr(module, "gradient_checkpointing", False) is True:
                 # Hugging Face's own checkpointing (verl's enable_gradient_checkpointing) already
@@ -144,14 +173,14 @@ class FSDPTurbo(nn.Module):
     def _ignored_params(self, plan):
         """The parameters the outer FSDP2 leaves alone: those of `ignored_modules` and the named
         `ignored_params` (an unknown name is a ConfigError)."""
-        matched = _matching(self.model, plan.ignored_modules, "distributed.fsdp_plan.ignored_modules")
+        matched = _matching(self._inner, plan.ignored_modules, "distributed.fsdp_plan.ignored_modules")
         ignored = {id(p): p for hits in matched.values() for _, m in hits for p in m.parameters()}
-        params = dict(self.model.named_parameters())
-        unknown = [n for n in plan.ignored_params if n not in params]
+        params = dict(self._inner.named_parameters())
+        unknown = [n for n in plan.ignored_params if _inner_name(n) not in params]
         if unknown:
             raise ConfigError([f"distributed.fsdp_plan.ignored_params: {unknown} are no parameters of "
-                               f"{type(self.model).__name__} (e.g. {list(params)[:3]})"])
-        ignored.update({id(params[n]): params[n] for n in plan.ignored_params})
+                               f"{type(self._inner).__name__} (e.g. {list(params)[:3]})"])
+        ignored.update({id(params[_inner_name(n)]): params[_inner_name(n)] for n in plan.ignored_params})
         return list(ignored.values())
 
     def _apply_fully_shard(self):
@@ -159,7 +188,7 @@ class FSDPTurbo(nn.Module):
         from torch.distributed.tensor import DTensor
 
         plan = self.config.distributed.fsdp_plan
-        matched = _matching(self.model, list(plan.apply_modules or {}), "distributed.fsdp_plan.apply_modules")
+        matched = _matching(self._inner, list(plan.apply_modules or {}), "distributed.fsdp_plan.apply_modules")
         options = {}  # unit name -> its fully_shard options (the first pattern matching it)
         for pattern, hits in matched.items():
             for name, _ in hits:
@@ -168,7 +197,7 @@ class FSDPTurbo(nn.Module):
         ignored_ids = {id(p) for p in ignored}
         offload = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.cpu_offload else OffloadPolicy()
         mesh = self.parallel_state.get_dp_fsdp_device_mesh()
-        units = [(name, module) for name, module in self.model.named_modules() if name in options and name]
+        units = [(name, module) for name, module in self._inner.named_modules() if name in options and name]
         # children before their parents, the root last: each unit owns what no inner unit holds
         for name, module in sorted(units, key=lambda unit: -unit[0].count(".")) + [("", self.model)]:
             params = list(module.parameters())

@@ -25,7 +25,8 @@ from . import expert_lora
 from .placement import copy_weights_, gather_full
 from .weights import check_files, full_state_dict, meta_parameters
 
-__all__ = ["guard_save_pretrained", "load_lora_adapter", "save_lora_adapter", "save_merged_weights"]
+__all__ = ["guard_save_pretrained", "guard_taken_over", "load_lora_adapter", "save_lora_adapter",
+           "save_merged_weights"]
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The adapter settings that decide the factors' shapes and what they compute: a file must agree.
@@ -120,6 +121,30 @@ def guard_save_pretrained(model):
         return peft_save(save_directory, *args, state_dict=expert_lora.to_peft(model, state_dict), **kwargs)
 
     model.save_pretrained = save_pretrained
+
+
+def guard_taken_over(given, model):
+    """After sharding `model` (the model inside the PEFT model `given`, or `given` itself, as
+    `shard_model` and `FSDPTurbo` do): when expert parallelism took expert adapters over,
+    `given.save_pretrained` is guarded (`guard_save_pretrained`) and a state dict in PEFT's
+    names and layout of the experts (`...experts.base_layer.lora_A.default.weight`, the one taken
+    before sharding) is refused by `load_state_dict`, naming `fsdpturbo.load_lora_adapter`,
+    before torch's list of missing and unexpected keys."""
+    if given is model or not any(expert_lora.expert_lora(m) is not None for m in model.modules()):
+        return
+    guard_save_pretrained(given)
+    given.register_load_state_dict_pre_hook(_refuse_peft_layout)
+
+
+def _refuse_peft_layout(module, state_dict, prefix, *args):
+    peft = {f"{prefix}{p.name}" for p in expert_lora.peft_names(module).values()}
+    found = [key for key in state_dict if key in peft]
+    if found:
+        raise RuntimeError(f"fsdpturbo: the state dict holds the experts in PEFT's names and layout (e.g. {found[0]!r}, "
+                           f"{len(found)} such keys); the experts sharded by fsdpturbo hold their weights and adapters "
+                           f"as '...experts.gate_up_proj', '...experts.gate_up_proj_lora_down', ... (docs/training.md, "
+                           f"Expert LoRA). Load the adapters with fsdpturbo.load_lora_adapter(model, path) and the base "
+                           f"weights by the sharded model's own names (model.state_dict()'s keys)")
 
 
 def _check_config(model, path):

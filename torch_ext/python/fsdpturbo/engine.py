@@ -284,6 +284,5 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
                       if dist_config["offload_params"] else None)
     materialize(model, device, weights, dcp_path=dcp_path)
     warmup_grad_norm(model)
-    if given is not model and any(expert_lora.expert_lora(m) is not None for m in model.modules()):
-        adapters.guard_save_pretrained(given)
+    adapters.guard_taken_over(given, model)
     return given

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -47,8 +47,7 @@ setup(
     version=cargo_version(),
     description="Expert-parallel and expert-sharded-FSDP engine for Mixture-of-Experts training",
     package_dir={"": "python"},
-    packages=["fsdpturbo", "fsdpturbo.dispatch", "fsdpturbo.llamafactory", "fsdp_turbo", "fsdp_turbo.distributed",
-              "fsdp_turbo.distributed.expert_parallel", "fsdp_turbo.ops", "fsdp_turbo.training", "fsdp_turbo.utils"],
+    packages=find_packages("python"),  # every package under python/, so a new subpackage cannot be left out
     python_requires=">=3.10",
     cmdclass={"build_py": BuildWithCMake},
     zip_safe=False,

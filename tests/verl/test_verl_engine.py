@@ -191,14 +191,20 @@ def _rank_fn(rank, world, model_dir, batches, cases, out_path):
     torch.save(results, f"{out_path}.{rank}")
 
 
-@pytest.fixture(scope="module")
-def runs():
+def launch(rank_fn, cases):
+    """Saves the tiny model, runs rank_fn(rank, world, model_dir, batches, cases, out_path) on
+    WORLD ranks and returns each rank's saved results."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         save_tiny_model(model_dir)
         out = os.path.join(tmp, "results")
-        run_ranks(_rank_fn, WORLD, model_dir, global_batches(), CASES, out, timeout=LAUNCH_TIMEOUT_S)
-        yield [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+        run_ranks(rank_fn, WORLD, model_dir, global_batches(), cases, out, timeout=LAUNCH_TIMEOUT_S)
+        return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_rank_fn, CASES)
 
 
 def _deviation(ours, reference):

@@ -21,17 +21,15 @@ transformers accept it on CPU) on PYTHONPATH; without it this file is skipped.
 import importlib.util
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "python")]
-from dist_util import run_ranks  # noqa: E402
 from test_verl_engine import (  # noqa: E402
-    LAUNCH_TIMEOUT_S, LOG_PROB_ATOL, LOSS_RTOL, GRAD_NORM_RTOL, ROWS_PER_RANK, STEPS, WEIGHT_ATOL, WORLD, Case,
-    build_engine, global_batches, save_tiny_model, train)
+    GRAD_NORM_RTOL, LOG_PROB_ATOL, LOSS_RTOL, ROWS_PER_RANK, STEPS, WEIGHT_ATOL, WORLD, Case, _deviation, build_engine,
+    launch, train)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
                                 reason="verl's Ulysses SP needs flash_attn (tests/llamafactory/site on PYTHONPATH)")
@@ -58,16 +56,7 @@ def _rank_fn(rank, world, model_dir, batches, cases, out_path):
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
-        save_tiny_model(model_dir)
-        out = os.path.join(tmp, "results")
-        run_ranks(_rank_fn, WORLD, model_dir, global_batches(), CP_CASES, out, timeout=LAUNCH_TIMEOUT_S)
-        yield [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
-
-
-def _max_abs(ours, reference):
-    return max((a - b).abs().max().item() for a, b in zip(ours, reference))
+    return launch(_rank_fn, CP_CASES)
 
 
 def _global(runs, name, sp):
@@ -100,7 +89,7 @@ def test_turbo_cp_equals_verl_ulysses_sp(runs, case):
             else:
                 assert ours["grad_norm"][step] == pytest.approx(reference["grad_norm"][step], rel=GRAD_NORM_RTOL), \
                     f"{where} step {step}"
-            assert _max_abs(ours["log_probs"][step], reference["log_probs"][step]) <= LOG_PROB_ATOL, \
+            assert _deviation(ours["log_probs"][step], reference["log_probs"][step]) <= LOG_PROB_ATOL, \
                 f"{where} step {step}"
         _assert_weights_equal(ours["weights"], reference["weights"], where)
 
@@ -114,5 +103,5 @@ def test_sequence_parallel_equals_fsdp2_without_it(runs, name):
     for step in range(STEPS):
         assert loss[step] == pytest.approx(ref_loss[step], rel=LOSS_RTOL), f"{name} step {step}"
         assert grad_norm[step] == pytest.approx(ref_grad_norm[step], rel=GRAD_NORM_RTOL), f"{name} step {step}"
-        assert _max_abs(log_probs[step], ref_log_probs[step]) <= LOG_PROB_ATOL, f"{name} step {step}"
+        assert _deviation(log_probs[step], ref_log_probs[step]) <= LOG_PROB_ATOL, f"{name} step {step}"
     _assert_weights_equal(weights, ref_weights, name)

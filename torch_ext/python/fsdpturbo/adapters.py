@@ -25,7 +25,7 @@ from . import expert_lora
 from .placement import copy_weights_, gather_full
 from .weights import check_files, full_state_dict, meta_parameters
 
-__all__ = ["guard_save_pretrained", "guard_taken_over", "load_lora_adapter", "save_lora_adapter",
+__all__ = ["guard_taken_over", "load_lora_adapter", "save_lora_adapter",
            "save_merged_weights"]
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -91,48 +91,20 @@ def save_lora_adapter(model, path, rank=0):
         if _is_writer(rank):
             state[entry.peft.name] = entry.peft.to_peft(full).cpu().contiguous()
     if _is_writer(rank):
-        _peft_save_pretrained(model)(os.fspath(path), state_dict=state)
+        expert_lora.peft_save_pretrained(model, os.fspath(path), state_dict=state)
     _barrier()
     return path
 
 
-def _peft_save_pretrained(model):
-    """PEFT's own `save_pretrained` of `model`, past `guard_save_pretrained`."""
-    return type(model).save_pretrained.__get__(model)
-
-
-def guard_save_pretrained(model):
-    """Makes the sharded PEFT model `model`'s `save_pretrained` save its expert adapters or
-    refuse, never leave them out: PEFT's own selection does not know the names the experts'
-    adapters have once taken over, so it would write the adapter without them and say nothing.
-    Given a full `state_dict` by `model`'s parameter names (as
-    `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` returns
-    it), the expert tensors are renamed and laid out as PEFT's first; without one it raises
-    (each rank holds shards only: `fsdpturbo.save_lora_adapter` gathers them, collectively)."""
-    peft_save = _peft_save_pretrained(model)
-
-    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-        if state_dict is None:
-            raise RuntimeError("save_pretrained of a model sharded by fsdpturbo with adapters on its experts needs "
-                               "the full state_dict by the model's parameter names (PEFT's own selection would "
-                               "leave the expert adapters out); call fsdpturbo.save_lora_adapter(model, path) on "
-                               "every rank, or pass state_dict=get_model_state_dict(model, "
-                               "options=StateDictOptions(full_state_dict=True))")
-        return peft_save(save_directory, *args, state_dict=expert_lora.to_peft(model, state_dict), **kwargs)
-
-    model.save_pretrained = save_pretrained
-
-
 def guard_taken_over(given, model):
     """After sharding `model` (the model inside the PEFT model `given`, or `given` itself, as
-    `shard_model` and `FSDPTurbo` do): when expert parallelism took expert adapters over,
-    `given.save_pretrained` is guarded (`guard_save_pretrained`) and a state dict in PEFT's
+    `shard_model` and `FSDPTurbo` do): when expert parallelism took expert adapters over
+    (`given.save_pretrained` is guarded then: `expert_lora.take_over`), a state dict in PEFT's
     names and layout of the experts (`...experts.base_layer.lora_A.default.weight`, the one taken
     before sharding) is refused by `load_state_dict`, naming `fsdpturbo.load_lora_adapter`,
     before torch's list of missing and unexpected keys."""
     if given is model or not any(expert_lora.expert_lora(m) is not None for m in model.modules()):
         return
-    guard_save_pretrained(given)
     given.register_load_state_dict_pre_hook(_refuse_peft_layout)
 
 

@@ -190,7 +190,45 @@ def take_over(model):
             continue
         setattr(model.get_submodule(parent_name), leaf, _adopt(name, outer, param_wrapper))
         taken.append(name)
+    if taken:
+        _guard_peft_save(peft.PeftModel)
     return taken
+
+
+def peft_save_pretrained(model, *args, **kwargs):
+    """PEFT's own `PeftModel.save_pretrained`, past `_guard_peft_save`."""
+    save = type(model).save_pretrained
+    return (save.__wrapped__ if getattr(save, "fsdpturbo_guard", False) else save)(model, *args, **kwargs)
+
+
+def _guard_peft_save(peft_model_class):
+    """Makes PEFT's `save_pretrained` (process-wide, once) save the expert adapters of a PEFT
+    model whose experts were taken over, or refuse, never leave them out: PEFT's own selection
+    does not know the factors' names after `take_over`, so it would write the adapter without
+    them and say nothing (whoever calls it: a user, LlamaFactory's save, which shards only the
+    model inside the PEFT model). Given a full `state_dict` by the model's parameter names (as
+    `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` returns it),
+    the expert tensors are renamed and laid out as PEFT's first; without one it raises (each
+    rank holds shards only: `fsdpturbo.save_lora_adapter` gathers them, collectively). Other
+    PEFT models save as PEFT saves them."""
+    original = peft_model_class.save_pretrained
+    if getattr(original, "fsdpturbo_guard", False):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        if not any(expert_lora(m) is not None for m in self.modules()):
+            return original(self, save_directory, *args, state_dict=state_dict, **kwargs)
+        if state_dict is None:
+            raise RuntimeError("save_pretrained of a PEFT model whose expert adapters fsdpturbo took over needs the "
+                               "full state_dict by the model's parameter names (PEFT's own selection would leave the "
+                               "expert adapters out); call fsdpturbo.save_lora_adapter(model, path) on every rank, "
+                               "or pass state_dict=get_model_state_dict(model, "
+                               "options=StateDictOptions(full_state_dict=True))")
+        return original(self, save_directory, *args, state_dict=to_peft(self, state_dict), **kwargs)
+
+    save_pretrained.fsdpturbo_guard = True
+    peft_model_class.save_pretrained = save_pretrained
 
 
 def inner_model(model):

@@ -9,7 +9,7 @@ use fsdpturbo::backend::acl::{ACL_INT64, Acl};
 use fsdpturbo::backend::aclnn::{Aclnn, View};
 use fsdpturbo::backend::hccl::Hccl;
 use fsdpturbo::comm::hccl::{HcclCollective, root_info};
-use fsdpturbo::comm::{AllToAllV, Collective, ReduceOp};
+use fsdpturbo::comm::{AllToAllV, Buffers, Collective, Exchange, ReduceOp};
 use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
@@ -74,45 +74,38 @@ fn hccl_collectives_among_three_ranks() {
                     let send = [r + 1.0, 10.0 * r];
                     let mut sum = [0f32; 2];
                     let mut max = [0f32; 2];
-                    unsafe {
-                        comm.all_reduce(
-                            send.as_ptr().cast(),
-                            sum.as_mut_ptr().cast(),
-                            2,
-                            Dtype::F32,
-                            ReduceOp::Sum,
-                            st,
-                        )
-                        .unwrap();
-                        comm.all_reduce(
-                            send.as_ptr().cast(),
-                            max.as_mut_ptr().cast(),
-                            2,
-                            Dtype::F32,
-                            ReduceOp::Max,
-                            st,
-                        )
-                        .unwrap();
-                    }
+                    let buffers = |send: *const u8, recv: *mut u8, count, dtype| Buffers {
+                        send: send.cast(),
+                        recv: recv.cast(),
+                        count,
+                        dtype,
+                        stream: st,
+                    };
                     let mine = [rank as i64; 2];
                     let mut gathered = [0i64; 6];
-                    unsafe {
-                        comm.all_gather(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::I64, st)
-                    }
-                    .unwrap();
                     let blocks: Vec<f64> = (0..3).map(|b| (10 * rank + b) as f64).collect();
                     let mut scattered = [0f64; 1];
-                    unsafe {
-                        comm.reduce_scatter(
-                            blocks.as_ptr().cast(),
-                            scattered.as_mut_ptr().cast(),
-                            1,
-                            Dtype::F64,
-                            ReduceOp::Sum,
-                            st,
-                        )
+                    let exchanges = [
+                        (
+                            Exchange::AllReduce(ReduceOp::Sum),
+                            buffers(send.as_ptr().cast(), sum.as_mut_ptr().cast(), 2, Dtype::F32),
+                        ),
+                        (
+                            Exchange::AllReduce(ReduceOp::Max),
+                            buffers(send.as_ptr().cast(), max.as_mut_ptr().cast(), 2, Dtype::F32),
+                        ),
+                        (
+                            Exchange::AllGather,
+                            buffers(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::I64),
+                        ),
+                        (
+                            Exchange::ReduceScatter(ReduceOp::Sum),
+                            buffers(blocks.as_ptr().cast(), scattered.as_mut_ptr().cast(), 1, Dtype::F64),
+                        ),
+                    ];
+                    for (exchange, b) in exchanges {
+                        unsafe { comm.exchange(exchange, b) }.unwrap();
                     }
-                    .unwrap();
                     // Rank s sends (s + d) % 3 elements to rank d (zero included); values 100s + i.
                     let send_counts: Vec<usize> = (0..3).map(|d| (rank + d) % 3).collect();
                     let recv_counts: Vec<usize> = (0..3).map(|s| (s + rank) % 3).collect();

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use fsdpturbo::backend::{LibrarySpec, add_search_dirs, load};
 use fsdpturbo::comm::host::HostCallbacks;
-use fsdpturbo::comm::{AllToAllV, Collective, ReduceOp, SingleRank, Stream};
+use fsdpturbo::comm::{AllToAllV, Buffers, Collective, Exchange, ReduceOp, SingleRank, Stream};
 use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
@@ -75,6 +75,11 @@ fn a_found_file_in_a_search_dir_wins() {
     assert_eq!(loaded.path(), dir.join("libc.so.6"));
 }
 
+/// Host buffers of `count` elements of `dtype` per rank.
+fn host(send: *const c_void, recv: *mut c_void, count: usize, dtype: Dtype) -> Buffers {
+    Buffers { send, recv, count, dtype, stream: Stream::HOST }
+}
+
 #[test]
 fn single_rank_collectives_copy() {
     let one = SingleRank;
@@ -82,13 +87,9 @@ fn single_rank_collectives_copy() {
     let send = [1.0f32, 2.0, 3.0, 4.0];
     let mut recv = [0.0f32; 4];
     unsafe {
-        one.all_reduce(
-            send.as_ptr().cast(),
-            recv.as_mut_ptr().cast(),
-            4,
-            Dtype::F32,
-            ReduceOp::Sum,
-            Stream::HOST,
+        one.exchange(
+            Exchange::AllReduce(ReduceOp::Sum),
+            host(send.as_ptr().cast(), recv.as_mut_ptr().cast(), 4, Dtype::F32),
         )
     }
     .unwrap();
@@ -119,19 +120,18 @@ fn single_rank_collectives_copy() {
     assert_eq!(AllToAllV::packed(vec![3, 0, 2], vec![1, 1, 1]).send_displs, vec![0, 3, 3]);
     let mut gathered = [0.0f32; 4];
     unsafe {
-        one.all_gather(send.as_ptr().cast(), gathered.as_mut_ptr().cast(), 4, Dtype::F32, Stream::HOST)
+        one.exchange(
+            Exchange::AllGather,
+            host(send.as_ptr().cast(), gathered.as_mut_ptr().cast(), 4, Dtype::F32),
+        )
     }
     .unwrap();
     assert_eq!(gathered, send);
     let mut scattered = [0.0f32; 4];
     unsafe {
-        one.reduce_scatter(
-            send.as_ptr().cast(),
-            scattered.as_mut_ptr().cast(),
-            4,
-            Dtype::F32,
-            ReduceOp::Min,
-            Stream::HOST,
+        one.exchange(
+            Exchange::ReduceScatter(ReduceOp::Min),
+            host(send.as_ptr().cast(), scattered.as_mut_ptr().cast(), 4, Dtype::F32),
         )
     }
     .unwrap();
@@ -176,20 +176,19 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
     let mine = [1.0f64, 2.0];
     let mut gathered = [0.0f64; 4];
     unsafe {
-        comm.all_gather(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64, Stream::HOST)
+        comm.exchange(
+            Exchange::AllGather,
+            host(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64),
+        )
     }
     .unwrap();
     assert_eq!(gathered, [100.0, 200.0, 1.0, 2.0]);
     let blocks = [9.0f64, 9.0, 1.0, 2.0];
     let mut out = [0.0f64; 2];
     unsafe {
-        comm.reduce_scatter(
-            blocks.as_ptr().cast(),
-            out.as_mut_ptr().cast(),
-            2,
-            Dtype::F64,
-            ReduceOp::Sum,
-            Stream::HOST,
+        comm.exchange(
+            Exchange::ReduceScatter(ReduceOp::Sum),
+            host(blocks.as_ptr().cast(), out.as_mut_ptr().cast(), 2, Dtype::F64),
         )
     }
     .unwrap();
@@ -200,7 +199,10 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
 
     let bare = host_rank_one(false);
     let err = unsafe {
-        bare.all_gather(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64, Stream::HOST)
+        bare.exchange(
+            Exchange::AllGather,
+            host(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64),
+        )
     }
     .unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable);
@@ -210,13 +212,9 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
          was NULL when it was made); pass one to fsdpturbo_comm_host_new to use all_gather"
     );
     let err = unsafe {
-        bare.reduce_scatter(
-            blocks.as_ptr().cast(),
-            out.as_mut_ptr().cast(),
-            2,
-            Dtype::F64,
-            ReduceOp::Sum,
-            Stream::HOST,
+        bare.exchange(
+            Exchange::ReduceScatter(ReduceOp::Sum),
+            host(blocks.as_ptr().cast(), out.as_mut_ptr().cast(), 2, Dtype::F64),
         )
     }
     .unwrap_err();

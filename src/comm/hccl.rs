@@ -4,7 +4,7 @@
 
 use std::ffi::{CStr, c_void};
 
-use super::{AllToAllV, Collective, Dtype, ReduceOp, Stream};
+use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
 use crate::backend::hccl::{
     HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce,
 };
@@ -107,67 +107,26 @@ impl Collective for HcclCollective {
         self.world_size
     }
 
-    unsafe fn all_reduce(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        op: ReduceOp,
-        stream: Stream,
-    ) -> Result<()> {
+    unsafe fn exchange(&self, exchange: Exchange, b: Buffers) -> Result<()> {
+        let (send, count, t, comm, stream) =
+            (b.send.cast_mut(), b.count as u64, hccl_dtype(b.dtype), self.comm, b.stream.0);
         // SAFETY: the caller's buffers and stream.
-        let code = unsafe {
-            (self.api.all_reduce)(
-                send.cast_mut(),
-                recv,
-                count as u64,
-                hccl_dtype(dtype),
-                hccl_op(op),
-                self.comm,
-                stream.0,
-            )
+        let (code, call) = unsafe {
+            match exchange {
+                Exchange::AllReduce(op) => (
+                    (self.api.all_reduce)(send, b.recv, count, t, hccl_op(op), comm, stream),
+                    "HcclAllReduce",
+                ),
+                Exchange::AllGather => {
+                    ((self.api.all_gather)(send, b.recv, count, t, comm, stream), "HcclAllGather")
+                }
+                Exchange::ReduceScatter(op) => (
+                    (self.api.reduce_scatter)(send, b.recv, count, t, hccl_op(op), comm, stream),
+                    "HcclReduceScatter",
+                ),
+            }
         };
-        self.api.check(code, "HcclAllReduce")
-    }
-
-    unsafe fn all_gather(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        stream: Stream,
-    ) -> Result<()> {
-        // SAFETY: the caller's buffers and stream.
-        let code = unsafe {
-            (self.api.all_gather)(send.cast_mut(), recv, count as u64, hccl_dtype(dtype), self.comm, stream.0)
-        };
-        self.api.check(code, "HcclAllGather")
-    }
-
-    unsafe fn reduce_scatter(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        op: ReduceOp,
-        stream: Stream,
-    ) -> Result<()> {
-        // SAFETY: the caller's buffers and stream.
-        let code = unsafe {
-            (self.api.reduce_scatter)(
-                send.cast_mut(),
-                recv,
-                count as u64,
-                hccl_dtype(dtype),
-                hccl_op(op),
-                self.comm,
-                stream.0,
-            )
-        };
-        self.api.check(code, "HcclReduceScatter")
+        self.api.check(code, call)
     }
 
     unsafe fn all_to_all_v(

@@ -5,17 +5,14 @@
 
 use std::ffi::c_void;
 
-use super::{AllToAllV, Collective, Dtype, ReduceOp, Stream};
+use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
 use crate::error::{Error, ErrorKind, Result};
 
-/// `recv = op over ranks of send` (`count` elements; `send` may equal `recv`). Returns 0 on
-/// success, else the embedder's status.
-pub type AllReduceFn = Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype, ReduceOp) -> i32 + Send + Sync>;
-/// `recv` (count × world elements) = every rank's `count` elements in rank order.
+/// `(send, recv, count, dtype, op)`: an all-reduce or a reduce-scatter (see [`Exchange`]).
+/// Returns 0 on success, else the embedder's status.
+pub type ReduceFn = Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype, ReduceOp) -> i32 + Send + Sync>;
+/// `(send, recv, count, dtype)`: an all-gather.
 pub type AllGatherFn = Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype) -> i32 + Send + Sync>;
-/// Rank r receives the reduction of every rank's r-th block of `count` elements.
-pub type ReduceScatterFn =
-    Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype, ReduceOp) -> i32 + Send + Sync>;
 /// All-to-all-v over a checked layout.
 pub type AllToAllVFn = Box<dyn Fn(*const c_void, *mut c_void, &AllToAllV, Dtype) -> i32 + Send + Sync>;
 
@@ -41,9 +38,9 @@ impl ReduceOp {
 pub struct HostCallbacks {
     pub rank: usize,
     pub world_size: usize,
-    pub all_reduce: AllReduceFn,
+    pub all_reduce: ReduceFn,
     pub all_gather: Option<AllGatherFn>,
-    pub reduce_scatter: Option<ReduceScatterFn>,
+    pub reduce_scatter: Option<ReduceFn>,
     pub all_to_all_v: Option<AllToAllVFn>,
 }
 
@@ -77,44 +74,21 @@ impl Collective for HostCallbacks {
         self.world_size
     }
 
-    unsafe fn all_reduce(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        op: ReduceOp,
-        _stream: Stream,
-    ) -> Result<()> {
-        let s = (self.all_reduce)(send, recv, count, dtype, op);
-        self.status(s, "all_reduce")
-    }
-
-    unsafe fn all_gather(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        _stream: Stream,
-    ) -> Result<()> {
-        let f = self.all_gather.as_ref().ok_or_else(|| self.missing("all_gather"))?;
-        let s = f(send, recv, count, dtype);
-        self.status(s, "all_gather")
-    }
-
-    unsafe fn reduce_scatter(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        op: ReduceOp,
-        _stream: Stream,
-    ) -> Result<()> {
-        let f = self.reduce_scatter.as_ref().ok_or_else(|| self.missing("reduce_scatter"))?;
-        let s = f(send, recv, count, dtype, op);
-        self.status(s, "reduce_scatter")
+    unsafe fn exchange(&self, exchange: Exchange, b: Buffers) -> Result<()> {
+        let (status, what) = match exchange {
+            Exchange::AllReduce(op) => {
+                ((self.all_reduce)(b.send, b.recv, b.count, b.dtype, op), "all_reduce")
+            }
+            Exchange::AllGather => {
+                let f = self.all_gather.as_ref().ok_or_else(|| self.missing("all_gather"))?;
+                (f(b.send, b.recv, b.count, b.dtype), "all_gather")
+            }
+            Exchange::ReduceScatter(op) => {
+                let f = self.reduce_scatter.as_ref().ok_or_else(|| self.missing("reduce_scatter"))?;
+                (f(b.send, b.recv, b.count, b.dtype, op), "reduce_scatter")
+            }
+        };
+        self.status(status, what)
     }
 
     unsafe fn all_to_all_v(

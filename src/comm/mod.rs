@@ -25,52 +25,41 @@ pub enum ReduceOp {
     Min,
 }
 
+/// The collectives that move one block of `count` elements per rank between a send and a
+/// receive buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exchange {
+    /// `recv[i] = op over ranks of send[i]`; `send` may equal `recv`.
+    AllReduce(ReduceOp),
+    /// `recv` (`count * world_size` elements) holds every rank's `count` elements, in rank order.
+    AllGather,
+    /// Rank r receives the reduction of every rank's r-th block of `count` elements (`send` has
+    /// `count * world_size` elements).
+    ReduceScatter(ReduceOp),
+}
+
+/// The memory one [`Exchange`] works on: `count` elements of `dtype` per rank, in this
+/// collective's memory (host memory, or device memory ordered on `stream`).
+#[derive(Clone, Copy, Debug)]
+pub struct Buffers {
+    pub send: *const c_void,
+    pub recv: *mut c_void,
+    pub count: usize,
+    pub dtype: Dtype,
+    pub stream: Stream,
+}
+
 /// One process group's collectives. Every rank of the group must make the same calls in the
 /// same order (that is how the grad norm never deadlocks, even on ranks without gradients).
 pub trait Collective {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
 
-    /// `recv[i] = op over ranks of send[i]` for `count` elements; `send` may equal `recv`.
+    /// Runs `exchange` over `buffers`.
     ///
     /// # Safety
-    /// `send` and `recv` point to `count` elements of `dtype` in this collective's memory.
-    unsafe fn all_reduce(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        op: ReduceOp,
-        stream: Stream,
-    ) -> Result<()>;
-
-    /// `recv` holds every rank's `count` elements, in rank order.
-    ///
-    /// # Safety
-    /// `send` has `count` elements, `recv` has `count * world_size` elements.
-    unsafe fn all_gather(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        stream: Stream,
-    ) -> Result<()>;
-
-    /// Rank r receives the reduction of every rank's r-th block of `count` elements.
-    ///
-    /// # Safety
-    /// `send` has `count * world_size` elements, `recv` has `count` elements.
-    unsafe fn reduce_scatter(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        op: ReduceOp,
-        stream: Stream,
-    ) -> Result<()>;
+    /// `send` and `recv` hold the elements `exchange` reads and writes (see [`Exchange`]).
+    unsafe fn exchange(&self, exchange: Exchange, buffers: Buffers) -> Result<()>;
 
     /// Sends `send_counts[p]` elements at `send_displs[p]` to rank p and receives
     /// `recv_counts[p]` elements at `recv_displs[p]` from rank p. Counts must agree pairwise.
@@ -91,9 +80,15 @@ pub trait Collective {
     /// it through device memory and waits; HCCL refuses).
     fn all_reduce_host_f64(&self, value: f64, op: ReduceOp) -> Result<f64> {
         let mut out = value;
-        let send = (&value as *const f64).cast();
+        let buffers = Buffers {
+            send: (&value as *const f64).cast(),
+            recv: (&mut out as *mut f64).cast(),
+            count: 1,
+            dtype: Dtype::F64,
+            stream: Stream::HOST,
+        };
         // SAFETY: one f64 of host memory each; this default is for host-memory transports.
-        unsafe { self.all_reduce(send, (&mut out as *mut f64).cast(), 1, Dtype::F64, op, Stream::HOST)? };
+        unsafe { self.exchange(Exchange::AllReduce(op), buffers)? };
         Ok(out)
     }
 }
@@ -150,15 +145,6 @@ impl AllToAllV {
 /// The group of one process: every collective is a copy (host memory).
 pub struct SingleRank;
 
-impl SingleRank {
-    unsafe fn copy(send: *const c_void, recv: *mut c_void, count: usize, dtype: Dtype) {
-        if send != recv.cast_const() {
-            // SAFETY: the caller guarantees both ranges; they are distinct buffers or identical.
-            unsafe { std::ptr::copy(send.cast::<u8>(), recv.cast::<u8>(), count * dtype.size()) };
-        }
-    }
-}
-
 impl Collective for SingleRank {
     fn rank(&self) -> usize {
         0
@@ -166,39 +152,9 @@ impl Collective for SingleRank {
     fn world_size(&self) -> usize {
         1
     }
-    unsafe fn all_reduce(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        _op: ReduceOp,
-        _stream: Stream,
-    ) -> Result<()> {
-        unsafe { Self::copy(send, recv, count, dtype) };
-        Ok(())
-    }
-    unsafe fn all_gather(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        _stream: Stream,
-    ) -> Result<()> {
-        unsafe { Self::copy(send, recv, count, dtype) };
-        Ok(())
-    }
-    unsafe fn reduce_scatter(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: Dtype,
-        _op: ReduceOp,
-        _stream: Stream,
-    ) -> Result<()> {
-        unsafe { Self::copy(send, recv, count, dtype) };
+    /// Every exchange of one rank is a copy (none when `send` is `recv`).
+    unsafe fn exchange(&self, _exchange: Exchange, b: Buffers) -> Result<()> {
+        unsafe { copy(b.send, b.recv, b.count, b.dtype) };
         Ok(())
     }
     unsafe fn all_to_all_v(
@@ -219,7 +175,7 @@ impl Collective for SingleRank {
         let width = dtype.size();
         // SAFETY: the caller guarantees the ranges.
         unsafe {
-            Self::copy(
+            copy(
                 send.cast::<u8>().add(layout.send_displs[0] * width).cast(),
                 recv.cast::<u8>().add(layout.recv_displs[0] * width).cast(),
                 layout.send_counts[0],
@@ -227,5 +183,16 @@ impl Collective for SingleRank {
             )
         };
         Ok(())
+    }
+}
+
+/// Copies `count` elements of `dtype` unless `send` is `recv`.
+///
+/// # Safety
+/// Both ranges are valid; they are distinct buffers or identical.
+unsafe fn copy(send: *const c_void, recv: *mut c_void, count: usize, dtype: Dtype) {
+    if send != recv.cast_const() {
+        // SAFETY: the caller guarantees both ranges.
+        unsafe { std::ptr::copy(send.cast::<u8>(), recv.cast::<u8>(), count * dtype.size()) };
     }
 }

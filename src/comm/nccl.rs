@@ -5,7 +5,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::{AllToAllV, Collective, Dtype, ReduceOp, Stream};
+use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
 use crate::backend::cuda::driver;
 use crate::backend::nccl::{self, Nccl, NcclComm, NcclUniqueId, nccl};
 use crate::error::{Error, Result};
@@ -107,47 +107,24 @@ impl Collective for NcclCollective {
         self.world_size
     }
 
-    unsafe fn all_reduce(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        d: Dtype,
-        o: ReduceOp,
-        stream: Stream,
-    ) -> Result<()> {
+    unsafe fn exchange(&self, exchange: Exchange, b: Buffers) -> Result<()> {
+        let (t, comm, stream) = (dtype(b.dtype), self.comm, b.stream.0);
         // SAFETY: the caller's device buffers and stream.
-        let status =
-            unsafe { (self.lib.all_reduce)(send, recv, count, dtype(d), op(o), self.comm, stream.0) };
-        self.check(status, "ncclAllReduce")
-    }
-
-    unsafe fn all_gather(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        d: Dtype,
-        stream: Stream,
-    ) -> Result<()> {
-        // SAFETY: as above.
-        let status = unsafe { (self.lib.all_gather)(send, recv, count, dtype(d), self.comm, stream.0) };
-        self.check(status, "ncclAllGather")
-    }
-
-    unsafe fn reduce_scatter(
-        &self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        d: Dtype,
-        o: ReduceOp,
-        stream: Stream,
-    ) -> Result<()> {
-        // SAFETY: as above.
-        let status =
-            unsafe { (self.lib.reduce_scatter)(send, recv, count, dtype(d), op(o), self.comm, stream.0) };
-        self.check(status, "ncclReduceScatter")
+        let (status, call) = unsafe {
+            match exchange {
+                Exchange::AllReduce(o) => {
+                    ((self.lib.all_reduce)(b.send, b.recv, b.count, t, op(o), comm, stream), "ncclAllReduce")
+                }
+                Exchange::AllGather => {
+                    ((self.lib.all_gather)(b.send, b.recv, b.count, t, comm, stream), "ncclAllGather")
+                }
+                Exchange::ReduceScatter(o) => (
+                    (self.lib.reduce_scatter)(b.send, b.recv, b.count, t, op(o), comm, stream),
+                    "ncclReduceScatter",
+                ),
+            }
+        };
+        self.check(status, call)
     }
 
     unsafe fn all_to_all_v(
@@ -203,8 +180,9 @@ impl Collective for NcclCollective {
         let stream = Stream(std::ptr::null_mut()); // the legacy default stream
         drv.write(buf.ptr, &value.to_ne_bytes(), stream)?;
         let at = buf.ptr as *mut c_void;
+        let buffers = Buffers { send: at, recv: at, count: 1, dtype: Dtype::F64, stream };
         // SAFETY: one f64 of device memory, ordered on the legacy default stream.
-        unsafe { self.all_reduce(at, at, 1, Dtype::F64, o, stream)? };
+        unsafe { self.exchange(Exchange::AllReduce(o), buffers)? };
         let mut bytes = [0u8; 8];
         drv.read_back(&mut bytes, buf.ptr, stream)?;
         Ok(f64::from_ne_bytes(bytes))

@@ -19,7 +19,7 @@ use super::panic::boundary;
 use crate::backend::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
-use crate::comm::{AllToAllV, Collective, Dtype, ReduceOp, SingleRank, Stream};
+use crate::comm::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, SingleRank, Stream};
 
 /// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
@@ -261,6 +261,30 @@ fn group_elems(comm: &fsdpturbo_comm_t, count: usize) -> Result<usize, FfiError>
         .ok_or_else(|| invalid(format!("`count` ({count}) × the group's {world} ranks overflows")))
 }
 
+/// Checks `send` and `recv` for `exchange` (the elements each holds; only an all-reduce may
+/// work in place) and runs it on `comm`.
+fn run_exchange(
+    comm: *const fsdpturbo_comm_t,
+    exchange: Exchange,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: Dtype,
+    stream: *mut c_void,
+) -> Result<(), FfiError> {
+    let comm = arg_ref(comm, "comm")?;
+    let (send_elems, recv_elems) = match exchange {
+        Exchange::AllReduce(_) => (count, count),
+        Exchange::AllGather => (count, group_elems(comm, count)?),
+        Exchange::ReduceScatter(_) => (group_elems(comm, count)?, count),
+    };
+    check_buffers(send, send_elems, recv, recv_elems, dtype, matches!(exchange, Exchange::AllReduce(_)))?;
+    let buffers = Buffers { send, recv, count, dtype, stream: Stream(stream) };
+    // SAFETY: the caller's buffers, of the sizes just checked.
+    unsafe { comm.inner.exchange(exchange, buffers) }?;
+    Ok(())
+}
+
 /// All-reduce of `count` elements (FSDPTURBO_DTYPE_* `dtype`, FSDPTURBO_REDUCE_* `op`) from
 /// `send` into `recv` (may be equal, must not overlap otherwise), in the communicator's memory
 /// (device memory ordered on `stream` for NCCL; host memory otherwise, where `stream` is ignored).
@@ -275,12 +299,8 @@ pub extern "C" fn fsdpturbo_comm_all_reduce(
     stream: *mut c_void,
 ) -> i32 {
     boundary(|| {
-        let comm = arg_ref(comm, "comm")?;
         let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
-        check_buffers(send, count, recv, count, dtype, true)?;
-        // SAFETY: the caller's buffers of `count` elements, as documented.
-        unsafe { comm.inner.all_reduce(send, recv, count, dtype, op, Stream(stream)) }?;
-        Ok(())
+        run_exchange(comm, Exchange::AllReduce(op), send, recv, count, dtype, stream)
     })
 }
 
@@ -298,12 +318,7 @@ pub extern "C" fn fsdpturbo_comm_all_gather(
     stream: *mut c_void,
 ) -> i32 {
     boundary(|| {
-        let comm = arg_ref(comm, "comm")?;
-        let dtype = dtype_arg(dtype, "dtype")?;
-        check_buffers(send, count, recv, group_elems(comm, count)?, dtype, false)?;
-        // SAFETY: the caller's buffers of `count` and `count * world_size` elements, as documented.
-        unsafe { comm.inner.all_gather(send, recv, count, dtype, Stream(stream)) }?;
-        Ok(())
+        run_exchange(comm, Exchange::AllGather, send, recv, count, dtype_arg(dtype, "dtype")?, stream)
     })
 }
 
@@ -323,12 +338,8 @@ pub extern "C" fn fsdpturbo_comm_reduce_scatter(
     stream: *mut c_void,
 ) -> i32 {
     boundary(|| {
-        let comm = arg_ref(comm, "comm")?;
         let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
-        check_buffers(send, group_elems(comm, count)?, recv, count, dtype, false)?;
-        // SAFETY: the caller's buffers of `count * world_size` and `count` elements, as documented.
-        unsafe { comm.inner.reduce_scatter(send, recv, count, dtype, op, Stream(stream)) }?;
-        Ok(())
+        run_exchange(comm, Exchange::ReduceScatter(op), send, recv, count, dtype, stream)
     })
 }
 

@@ -8,53 +8,22 @@ use super::{
 };
 use crate::error::Result;
 
-type Gmm4 = unsafe extern "C" fn(
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    Tensor,
-    List,
-    List,
-    List,
-    i64,
-    i64,
-    i64,
-    i64,
-    List,
-    List,
-    List,
-    *mut u64,
-    *mut Executor,
-) -> AclnnStatus;
-type Gmm5 = unsafe extern "C" fn(
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    List,
-    Tensor,
-    List,
-    List,
-    List,
-    i64,
-    i64,
-    i64,
-    i64,
-    *mut c_void,
-    List,
-    List,
-    List,
-    *mut u64,
-    *mut Executor,
-) -> AclnnStatus;
+/// The workspace phase of aclnnGroupedMatmulV4, or of V5 with its one extra argument (the
+/// tuning config, before the outputs) given as `$tuning`. Inputs: x, weight, bias, scale,
+/// offset, antiquant scale and offset, per-token scale, group list, activation input and its
+/// quant scale and offset; then split item, group type, group list type, activation type.
+macro_rules! grouped_matmul_fn {
+    ($($tuning:ty)?) => {
+        unsafe extern "C" fn(
+            List, List, List, List, List, List, List, List, Tensor, List, List, List,
+            i64, i64, i64, i64,
+            $($tuning,)?
+            List, List, List, *mut u64, *mut Executor,
+        ) -> AclnnStatus
+    };
+}
+type Gmm4 = grouped_matmul_fn!();
+type Gmm5 = grouped_matmul_fn!(*mut c_void);
 
 /// The grouped-matmul entry points found: V5 preferred, V4 otherwise (op-plugin's probe).
 #[derive(Clone, Copy)]
@@ -110,61 +79,22 @@ impl Aclnn {
         let null = std::ptr::null_mut();
         let mut bytes = 0u64;
         let mut executor: Executor = null;
+        // One call of either version: optional inputs NULL; groupListType 1 (counts), actType 0
+        // (none); V5's tuning config NULL.
+        macro_rules! call {
+            ($get:expr $(, $tuning:expr)?) => {
+                $get(
+                    xs.0, ws.0, null, null, null, null, null, null, groups.0, null, null, null,
+                    split_item, group_type, 1, 0,
+                    $($tuning,)?
+                    outs.0, null, null, &mut bytes, &mut executor,
+                )
+            };
+        }
+        // SAFETY: the arguments match the V4/V5 signatures above.
         let (code, launch, op) = match self.grouped_mm {
-            // SAFETY: V4/V5 signatures; optional inputs NULL; groupListType 1, actType NONE.
-            GroupedMatmul::V5(get, launch) => unsafe {
-                let code = get(
-                    xs.0,
-                    ws.0,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    groups.0,
-                    null,
-                    null,
-                    null,
-                    split_item,
-                    group_type,
-                    1,
-                    0,
-                    null,
-                    outs.0,
-                    null,
-                    null,
-                    &mut bytes,
-                    &mut executor,
-                );
-                (code, launch, "aclnnGroupedMatmulV5")
-            },
-            GroupedMatmul::V4(get, launch) => unsafe {
-                let code = get(
-                    xs.0,
-                    ws.0,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    null,
-                    groups.0,
-                    null,
-                    null,
-                    null,
-                    split_item,
-                    group_type,
-                    1,
-                    0,
-                    outs.0,
-                    null,
-                    null,
-                    &mut bytes,
-                    &mut executor,
-                );
-                (code, launch, "aclnnGroupedMatmulV4")
-            },
+            GroupedMatmul::V5(get, launch) => (unsafe { call!(get, null) }, launch, "aclnnGroupedMatmulV5"),
+            GroupedMatmul::V4(get, launch) => (unsafe { call!(get) }, launch, "aclnnGroupedMatmulV4"),
         };
         self.launch(op, code, bytes, executor, launch, workspace, stream)
     }

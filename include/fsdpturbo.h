@@ -20,6 +20,18 @@
 #define FSDPTURBO_MODEL_DESC_INIT { sizeof(fsdpturbo_model_desc_t), NULL, NULL, 0, NULL, NULL, NULL, 0 }
 
 
+// The class of FSDPTURBO_OK (fsdpturbo_status_class).
+#define FSDPTURBO_STATUS_CLASS_OK 0
+
+// The caller's input is wrong (arguments, configuration, topology sizes, struct sizes, UTF-8).
+#define FSDPTURBO_STATUS_CLASS_BAD_INPUT 1
+
+// A registry has no entry for the name asked for.
+#define FSDPTURBO_STATUS_CLASS_NOT_FOUND 2
+
+// Any other failure, including codes that are not a status (an embedder callback's own).
+#define FSDPTURBO_STATUS_CLASS_FAILURE 3
+
 // The ABI version: bumped on every incompatible change of this header.
 #define FSDPTURBO_ABI_VERSION 3
 
@@ -418,6 +430,12 @@ size_t fsdpturbo_last_error(char *buf, size_t len);
 // The name of a status code, e.g. "FSDPTURBO_ERR_CONFIG"; "FSDPTURBO_UNKNOWN_STATUS" for
 // integers that are not a status. The string is static.
 const char *fsdpturbo_status_name(int32_t status);
+
+// The class of a status code (FSDPTURBO_STATUS_CLASS_*): what a binding raises for it. Python
+// raises a ValueError for BAD_INPUT and a KeyError for NOT_FOUND; the op library (torch) a
+// ValueError for BAD_INPUT and a RuntimeError otherwise. An integer that is not a status (an
+// embedder callback's own) is FSDPTURBO_STATUS_CLASS_FAILURE.
+int32_t fsdpturbo_status_class(int32_t status);
 
 // The library version as a static NUL-terminated string, e.g. "0.1.0".
 const char *fsdpturbo_version(void);

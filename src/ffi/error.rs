@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::ffi::c_char;
 
-use super::status::{self, Status};
+use super::status::{self, FSDPTURBO_STATUS_CLASS_FAILURE, Status};
 use crate::error::Error;
 
 thread_local! {
@@ -78,4 +78,13 @@ pub extern "C" fn fsdpturbo_status_name(status: i32) -> *const c_char {
     let unknown = c"FSDPTURBO_UNKNOWN_STATUS".as_ptr();
     std::panic::catch_unwind(|| Status::from_code(status).map_or(unknown, |s| s.name().as_ptr()))
         .unwrap_or(unknown)
+}
+
+/// The class of a status code (FSDPTURBO_STATUS_CLASS_*): what a binding raises for it. Python
+/// raises a ValueError for BAD_INPUT and a KeyError for NOT_FOUND; the op library (torch) a
+/// ValueError for BAD_INPUT and a RuntimeError otherwise. An integer that is not a status (an
+/// embedder callback's own) is FSDPTURBO_STATUS_CLASS_FAILURE.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_status_class(status: i32) -> i32 {
+    Status::from_code(status).map_or(FSDPTURBO_STATUS_CLASS_FAILURE, Status::class)
 }

@@ -1,8 +1,9 @@
 //! Status codes returned by every fallible function of the C ABI.
 //!
 //! `Status` is the one list: cbindgen writes its variants into the header (the C enum
-//! `fsdpturbo_status_t`), `fsdpturbo_status_name` spells a code by its variant's name, and the
-//! Python table (`fsdpturbo/_abi.py`) is generated from the header. Functions still return a
+//! `fsdpturbo_status_t`), `fsdpturbo_status_name` spells a code by its variant's name,
+//! `fsdpturbo_status_class` says which exception both bindings raise for it, and the Python
+//! table (`fsdpturbo/_abi.py`) is generated from the header. Functions still return a
 //! plain `int32_t`: a callback's own non-zero status is passed through unchanged.
 
 use std::ffi::{CStr, CString};
@@ -47,6 +48,15 @@ pub enum Status {
 
 pub use Status::*;
 
+/// The class of FSDPTURBO_OK (fsdpturbo_status_class).
+pub const FSDPTURBO_STATUS_CLASS_OK: i32 = 0;
+/// The caller's input is wrong (arguments, configuration, topology sizes, struct sizes, UTF-8).
+pub const FSDPTURBO_STATUS_CLASS_BAD_INPUT: i32 = 1;
+/// A registry has no entry for the name asked for.
+pub const FSDPTURBO_STATUS_CLASS_NOT_FOUND: i32 = 2;
+/// Any other failure, including codes that are not a status (an embedder callback's own).
+pub const FSDPTURBO_STATUS_CLASS_FAILURE: i32 = 3;
+
 impl Status {
     /// Every status, in code order (the Python suite checks against the header's enum that none is
     /// missing).
@@ -69,6 +79,25 @@ impl Status {
     /// The status with code `code`, if any.
     pub fn from_code(code: i32) -> Option<Status> {
         Status::ALL.into_iter().find(|s| *s as i32 == code)
+    }
+
+    /// Its FSDPTURBO_STATUS_CLASS_*.
+    pub fn class(self) -> i32 {
+        match self {
+            FSDPTURBO_OK => FSDPTURBO_STATUS_CLASS_OK,
+            FSDPTURBO_ERR_NULL_ARGUMENT
+            | FSDPTURBO_ERR_INVALID_ARGUMENT
+            | FSDPTURBO_ERR_CONFIG
+            | FSDPTURBO_ERR_TOPOLOGY
+            | FSDPTURBO_ERR_STRUCT_SIZE
+            | FSDPTURBO_ERR_UTF8 => FSDPTURBO_STATUS_CLASS_BAD_INPUT,
+            FSDPTURBO_ERR_NOT_FOUND => FSDPTURBO_STATUS_CLASS_NOT_FOUND,
+            FSDPTURBO_ERR_PLAN
+            | FSDPTURBO_ERR_STATE
+            | FSDPTURBO_ERR_BUFFER_TOO_SMALL
+            | FSDPTURBO_ERR_UNAVAILABLE
+            | FSDPTURBO_ERR_PANIC => FSDPTURBO_STATUS_CLASS_FAILURE,
+        }
     }
 
     /// The C name, e.g. "FSDPTURBO_ERR_CONFIG" (the variant's own name), NUL-terminated.

@@ -1,7 +1,7 @@
 """The generated ctypes layer (fsdpturbo/_abi.py, made from the headers by scripts/gen_ctypes.py)
 against the loaded library: every status of the header's enum is named by
-fsdpturbo_status_name (so none is missing from the Rust enum's list), every function is bound,
-and the package's errors carry those names."""
+fsdpturbo_status_name (so none is missing from the Rust enum's list) and classed by
+fsdpturbo_status_class, every function is bound, and the package's errors carry those names."""
 import ctypes
 
 import pytest
@@ -18,6 +18,19 @@ def test_every_status_of_the_header_has_its_name():
     for code in (-1, 12, 98, 100, 2**31 - 1):
         assert code not in _abi.STATUS_NAMES
         assert lib.fsdpturbo_status_name(code) == b"FSDPTURBO_UNKNOWN_STATUS"
+        assert lib.fsdpturbo_status_class(code) == _abi.FSDPTURBO_STATUS_CLASS_FAILURE
+
+
+def test_every_status_has_a_class_and_check_raises_its_exception():
+    exceptions = {_abi.FSDPTURBO_STATUS_CLASS_BAD_INPUT: _native.FSDPTurboValueError,
+                  _abi.FSDPTURBO_STATUS_CLASS_NOT_FOUND: _native.FSDPTurboKeyError,
+                  _abi.FSDPTURBO_STATUS_CLASS_FAILURE: _native.FSDPTurboError}
+    assert lib.fsdpturbo_status_class(_abi.FSDPTURBO_OK) == _abi.FSDPTURBO_STATUS_CLASS_OK
+    for code in _abi.STATUS_NAMES.keys() - {_abi.FSDPTURBO_OK}:
+        expected = exceptions[lib.fsdpturbo_status_class(code)]
+        with pytest.raises(_native.FSDPTurboError) as err:
+            _native.check(code)
+        assert type(err.value) is expected, _abi.STATUS_NAMES[code]
 
 
 def test_every_function_of_both_headers_is_bound():

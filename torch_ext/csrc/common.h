@@ -26,15 +26,15 @@ inline int32_t dtype_code(const at::Tensor& t, const char* op) {
   }
 }
 
-// Throws a torch error (a Python RuntimeError/ValueError) carrying the library's message.
+// Throws a torch error carrying the library's message: a ValueError for bad input, a
+// RuntimeError naming the status otherwise (fsdpturbo_status_class, the table Python uses too).
 inline void check(int32_t status, const char* what) {
   if (status == FSDPTURBO_OK) return;
   size_t len = fsdpturbo_last_error(nullptr, 0);
   std::string message(len + 1, '\0');
   fsdpturbo_last_error(message.data(), message.size());
   message.resize(len);
-  TORCH_CHECK_VALUE(status != FSDPTURBO_ERR_INVALID_ARGUMENT && status != FSDPTURBO_ERR_NULL_ARGUMENT,
-                    what, ": ", message);
+  TORCH_CHECK_VALUE(fsdpturbo_status_class(status) != FSDPTURBO_STATUS_CLASS_BAD_INPUT, what, ": ", message);
   TORCH_CHECK(false, what, ": ", message, " (", fsdpturbo_status_name(status), ")");
 }
 

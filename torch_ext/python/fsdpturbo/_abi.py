@@ -8,6 +8,10 @@ opaque pointers are c_void_p; strings and byte buffers (char *, uint8_t *) are c
 import ctypes as _c
 
 # Constants (#define and enum values).
+FSDPTURBO_STATUS_CLASS_OK = 0
+FSDPTURBO_STATUS_CLASS_BAD_INPUT = 1
+FSDPTURBO_STATUS_CLASS_NOT_FOUND = 2
+FSDPTURBO_STATUS_CLASS_FAILURE = 3
 FSDPTURBO_ABI_VERSION = 3
 FSDPTURBO_DTYPE_F32 = 0
 FSDPTURBO_DTYPE_F64 = 1
@@ -224,6 +228,7 @@ fsdpturbo_npu_exchange_t._fields_ = [
 FUNCTIONS = {
     'fsdpturbo_last_error': (_c.c_size_t, [_c.c_char_p, _c.c_size_t]),
     'fsdpturbo_status_name': (_c.c_char_p, [_c.c_int32]),
+    'fsdpturbo_status_class': (_c.c_int32, [_c.c_int32]),
     'fsdpturbo_version': (_c.c_char_p, []),
     'fsdpturbo_abi_version': (_c.c_uint32, []),
     'fsdpturbo_add_library_dirs': (_c.c_int32, [_c.POINTER(_c.c_char_p), _c.c_size_t]),

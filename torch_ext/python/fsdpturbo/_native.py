@@ -78,6 +78,10 @@ class FSDPTurboKeyError(FSDPTurboError, KeyError):
     __str__ = RuntimeError.__str__
 
 
+_EXCEPTION_OF_CLASS = {_abi.FSDPTURBO_STATUS_CLASS_BAD_INPUT: FSDPTurboValueError,
+                       _abi.FSDPTURBO_STATUS_CLASS_NOT_FOUND: FSDPTurboKeyError}
+
+
 def last_error():
     """The library's last error on this thread, whole (`buf.value` would stop at a NUL)."""
     n = lib.fsdpturbo_last_error(None, 0)
@@ -87,14 +91,12 @@ def last_error():
 
 
 def check(status):
-    """Raises the library's last error for a non-zero status."""
+    """Raises the library's last error for a non-zero status, as the class of its status says
+    (fsdpturbo_status_class: the table the op library uses too)."""
     if status == OK:
         return
-    name = _STATUS.get(status, str(status))
-    cls = FSDPTurboValueError if name in ("NULL_ARGUMENT", "INVALID_ARGUMENT", "CONFIG", "TOPOLOGY",
-                                         "UTF8", "STRUCT_SIZE") else FSDPTurboError
-    cls = FSDPTurboKeyError if name == "NOT_FOUND" else cls
-    raise cls(last_error(), name)
+    cls = _EXCEPTION_OF_CLASS.get(lib.fsdpturbo_status_class(status), FSDPTurboError)
+    raise cls(last_error(), _STATUS.get(status, str(status)))
 
 
 def host_isa():

@@ -1054,75 +1054,47 @@ fn c_abi_permute_and_unpermute() {
     assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().contains("`dst` and `src` overlap"), "{}", last_error());
 
+    // Unpermute errors: NULL probs with bytes, short probs, a repeated index, and bytes that do
+    // not fit the element type.
     let mut out = vec![0u16; 6];
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_BF16,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        r.permutation.as_ptr(),
-        3,
-        2,
-        std::ptr::null(),
-        12,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("`probs` is NULL but `probs_bytes` is 12"), "{}", last_error());
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_BF16,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        r.permutation.as_ptr(),
-        3,
-        2,
-        probs.as_ptr().cast(),
-        10,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("`probs_bytes` is 10 but [tokens 3, top_k 2]"), "{}", last_error());
     let bad_perm = [0u64, 0, 1, 2, 3, 4];
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_BF16,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        bad_perm.as_ptr(),
-        3,
-        2,
-        std::ptr::null(),
-        0,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("permutation[1] repeats the value 0"), "{}", last_error());
-    assert_eq!(out, [0; 6]);
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_F32,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        r.permutation.as_ptr(),
-        3,
-        2,
-        std::ptr::null(),
-        0,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(
-        last_error().contains(
-            "`permuted_bytes` is 24 but [tokens 3 × top_k 2, hidden 2] of 4-byte elements is 48 bytes"
+    let (perm, null) = (r.permutation.as_ptr(), std::ptr::null());
+    let unpermute_cases = [
+        (FSDPTURBO_DTYPE_BF16, perm, null, 12, "`probs` is NULL but `probs_bytes` is 12"),
+        (
+            FSDPTURBO_DTYPE_BF16,
+            perm,
+            probs.as_ptr().cast(),
+            10,
+            "`probs_bytes` is 10 but [tokens 3, top_k 2]",
         ),
-        "{}",
-        last_error()
-    );
+        (FSDPTURBO_DTYPE_BF16, bad_perm.as_ptr(), null, 0, "permutation[1] repeats the value 0"),
+        (
+            FSDPTURBO_DTYPE_F32,
+            perm,
+            null,
+            0,
+            "`permuted_bytes` is 24 but [tokens 3 × top_k 2, hidden 2] of 4-byte elements is 48 bytes",
+        ),
+    ];
+    for (dtype, permutation, probs, probs_bytes, message) in unpermute_cases {
+        let st = fsdpturbo_unpermute(
+            dtype,
+            permuted.as_ptr().cast(),
+            24,
+            2,
+            permutation,
+            3,
+            2,
+            probs,
+            probs_bytes,
+            out.as_mut_ptr().cast(),
+            12,
+        );
+        assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains(message), "{}", last_error());
+    }
+    assert_eq!(out, [0; 6]);
 }
 
 #[test]

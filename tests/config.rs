@@ -729,27 +729,6 @@ fn top_level_sizes_and_types() {
 }
 
 #[test]
-fn dist_config_fields_at_the_top_level_belong_inside_dist_config() {
-    let fields = [
-        "reshard_after_forward",
-        "offload_params",
-        "pin_memory",
-        "dcp_path",
-        "ep_size",
-        "ep_dispatcher",
-        "fsdp_ignored_modules",
-        "hook_modules",
-        "fsdp_implementation",
-        "efsdp_size",
-    ];
-    for field in fields {
-        let e = error(&format!("model: m\n{field}: 4\ndist_config: {{name: fsdpturbo}}\n"));
-        assert_error(&e, field, 2, &format!("`{field}` is a dist_config (FSDPTurboParams) field"));
-        assert!(e.message.contains("move it inside dist_config"), "{e}");
-    }
-}
-
-#[test]
 fn topology_products_that_need_no_world_size() {
     let e = error("dp_size: 6\ndist_config:\n  name: fsdpturbo\n  ep_size: 4\n");
     assert_error(&e, "dist_config.ep_size", 4, "dp_size must be divisible by ep_size, got 6 % 4 != 0.");

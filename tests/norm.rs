@@ -927,6 +927,23 @@ unsafe extern "C" fn record(
     0
 }
 
+/// fsdpturbo_clip_grad_norm over all of `grads`, reducing through `record` into `rec`.
+fn clip_recorded(
+    opts: &fsdpturbo_clip_options_t,
+    grads: &[fsdpturbo_grad_t],
+    rec: &mut Recorder,
+    total: &mut f64,
+) -> i32 {
+    fsdpturbo_clip_grad_norm(
+        opts,
+        grads.as_ptr(),
+        grads.len(),
+        Some(record),
+        (rec as *mut Recorder).cast(),
+        total,
+    )
+}
+
 #[test]
 fn c_abi_calls_reduce_once_per_set_with_its_dims_and_op() {
     let shard = [FSDPTURBO_DIM_SHARD, FSDPTURBO_DIM_SHARD];
@@ -944,14 +961,7 @@ fn c_abi_calls_reduce_once_per_set_with_its_dims_and_op() {
     let mut rec = Recorder { ranks: 2.0, ..Recorder::default() };
     let opts = fsdpturbo_clip_options_t { max_norm: 100.0, ..options() };
     let mut total = -1.0;
-    let status = fsdpturbo_clip_grad_norm(
-        &opts,
-        grads.as_ptr(),
-        grads.len(),
-        Some(record),
-        (&mut rec as *mut Recorder).cast(),
-        &mut total,
-    );
+    let status = clip_recorded(&opts, &grads, &mut rec, &mut total);
     assert_eq!(status, FSDPTURBO_OK, "{}", last_error());
     assert_eq!(
         rec.calls,
@@ -963,14 +973,7 @@ fn c_abi_calls_reduce_once_per_set_with_its_dims_and_op() {
     // p = inf: MAX, and the clip scales every gradient.
     let mut rec = Recorder::default();
     let opts = fsdpturbo_clip_options_t { max_norm: 6.0, norm_type: f64::INFINITY, ..options() };
-    let status = fsdpturbo_clip_grad_norm(
-        &opts,
-        grads.as_ptr(),
-        grads.len(),
-        Some(record),
-        (&mut rec as *mut Recorder).cast(),
-        &mut total,
-    );
+    let status = clip_recorded(&opts, &grads, &mut rec, &mut total);
     assert_eq!(status, FSDPTURBO_OK, "{}", last_error());
     assert_eq!(
         rec.calls.iter().map(|c| (c.0, c.2, c.3)).collect::<Vec<_>>(),
@@ -989,14 +992,7 @@ fn c_abi_callback_errors_propagate_with_the_set() {
     let grads = [grad_f64(&mut a, &[5], &shard), grad_f64(&mut b, &[6], &shard)];
     let mut rec = Recorder { ranks: 1.0, fail_on: Some((1, 42)), ..Recorder::default() };
     let mut total = -1.0;
-    let status = fsdpturbo_clip_grad_norm(
-        &options(),
-        grads.as_ptr(),
-        2,
-        Some(record),
-        (&mut rec as *mut Recorder).cast(),
-        &mut total,
-    );
+    let status = clip_recorded(&options(), &grads, &mut rec, &mut total);
     assert_eq!(status, 42);
     let msg = last_error();
     assert!(msg.contains("status 42 for set 1 (mesh dims [6], op SUM)"), "{msg}");

@@ -576,6 +576,17 @@ fn c_local(
     (st, shape, off)
 }
 
+/// The pointer arguments of fsdpturbo_local_shape_and_offset.
+#[derive(Clone, Copy)]
+struct LocalShapeArgs {
+    global_shape: *const u64,
+    mesh_shape: *const u64,
+    coordinate: *const u64,
+    placements: *const fsdpturbo_placement_t,
+    local_shape: *mut u64,
+    global_offset: *mut u64,
+}
+
 #[test]
 fn c_abi_local_shape_and_offset() {
     let (st, shape, off) =
@@ -633,95 +644,45 @@ fn c_abi_local_shape_and_offset() {
     );
     assert!(last_error().contains("`placements[0]` is Shard(dim=1) but the tensor has 1 dims"));
 
-    // NULL pointers.
+    // NULL pointers, one argument at a time.
     let (g, m, c, p) = ([4u64], [2u64], [0u64], [S0]);
-    let mut out = [0u64; 1];
-    let mut off = [0u64; 1];
-    let null = std::ptr::null();
-    let st = fsdpturbo_local_shape_and_offset(
-        null,
-        1,
-        m.as_ptr(),
-        c.as_ptr(),
-        1,
-        p.as_ptr(),
-        out.as_mut_ptr(),
-        off.as_mut_ptr(),
-    );
-    assert_eq!(
-        (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `global_shape` must not be NULL")
-    );
-    let st = fsdpturbo_local_shape_and_offset(
-        g.as_ptr(),
-        1,
-        null,
-        c.as_ptr(),
-        1,
-        p.as_ptr(),
-        out.as_mut_ptr(),
-        off.as_mut_ptr(),
-    );
-    assert_eq!(
-        (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `mesh_shape` must not be NULL")
-    );
-    let st = fsdpturbo_local_shape_and_offset(
-        g.as_ptr(),
-        1,
-        m.as_ptr(),
-        null,
-        1,
-        p.as_ptr(),
-        out.as_mut_ptr(),
-        off.as_mut_ptr(),
-    );
-    assert_eq!(
-        (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `coordinate` must not be NULL")
-    );
-    let st = fsdpturbo_local_shape_and_offset(
-        g.as_ptr(),
-        1,
-        m.as_ptr(),
-        c.as_ptr(),
-        1,
-        std::ptr::null(),
-        out.as_mut_ptr(),
-        off.as_mut_ptr(),
-    );
-    assert_eq!(
-        (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `placements` must not be NULL")
-    );
-    let st = fsdpturbo_local_shape_and_offset(
-        g.as_ptr(),
-        1,
-        m.as_ptr(),
-        c.as_ptr(),
-        1,
-        p.as_ptr(),
-        std::ptr::null_mut(),
-        off.as_mut_ptr(),
-    );
-    assert_eq!(
-        (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `local_shape` is NULL but must hold 1 elements")
-    );
-    let st = fsdpturbo_local_shape_and_offset(
-        g.as_ptr(),
-        1,
-        m.as_ptr(),
-        c.as_ptr(),
-        1,
-        p.as_ptr(),
-        out.as_mut_ptr(),
-        std::ptr::null_mut(),
-    );
-    assert_eq!(
-        (st, last_error().as_str()),
-        (FSDPTURBO_ERR_NULL_ARGUMENT as i32, "argument `global_offset` is NULL but must hold 1 elements")
-    );
+    let (mut out, mut off) = ([0u64; 1], [0u64; 1]);
+    let valid = LocalShapeArgs {
+        global_shape: g.as_ptr(),
+        mesh_shape: m.as_ptr(),
+        coordinate: c.as_ptr(),
+        placements: p.as_ptr(),
+        local_shape: out.as_mut_ptr(),
+        global_offset: off.as_mut_ptr(),
+    };
+    let (null, null_mut) = (std::ptr::null(), std::ptr::null_mut());
+    let null_cases = [
+        (LocalShapeArgs { global_shape: null, ..valid }, "argument `global_shape` must not be NULL"),
+        (LocalShapeArgs { mesh_shape: null, ..valid }, "argument `mesh_shape` must not be NULL"),
+        (LocalShapeArgs { coordinate: null, ..valid }, "argument `coordinate` must not be NULL"),
+        (LocalShapeArgs { placements: std::ptr::null(), ..valid }, "argument `placements` must not be NULL"),
+        (
+            LocalShapeArgs { local_shape: null_mut, ..valid },
+            "argument `local_shape` is NULL but must hold 1 elements",
+        ),
+        (
+            LocalShapeArgs { global_offset: null_mut, ..valid },
+            "argument `global_offset` is NULL but must hold 1 elements",
+        ),
+    ];
+    for (args, message) in null_cases {
+        let st = fsdpturbo_local_shape_and_offset(
+            args.global_shape,
+            1,
+            args.mesh_shape,
+            args.coordinate,
+            1,
+            args.placements,
+            args.local_shape,
+            args.global_offset,
+        );
+        assert_eq!((st, last_error().as_str()), (FSDPTURBO_ERR_NULL_ARGUMENT as i32, message));
+    }
     // Zero lengths accept NULL: a scalar on an empty mesh.
     let st = fsdpturbo_local_shape_and_offset(
         null,

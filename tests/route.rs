@@ -597,60 +597,42 @@ struct Naive {
     bound: Vec<f64>,
 }
 
-fn naive_forward(x: &[f64], counts: &[u64], w: &[f64], i: usize, o: usize) -> Naive {
-    let n: usize = counts.iter().sum::<u64>() as usize;
-    let (mut value, mut bound) = (vec![0.0; n * o], vec![0.0; n * o]);
-    let mut r0 = 0;
-    for (g, &m) in counts.iter().enumerate() {
-        for r in r0..r0 + m as usize {
-            for j in 0..o {
-                for p in 0..i {
-                    let t = x[r * i + p] * w[(g * o + j) * i + p];
-                    value[r * o + j] += t;
-                    bound[r * o + j] += t.abs();
-                }
-            }
-        }
-        r0 += m as usize;
-    }
+/// Each of `len` output elements as its f64 sum and Σ|terms|, from the terms `terms(element)`
+/// yields in order.
+fn naive<I: Iterator<Item = f64>>(len: usize, terms: impl Fn(usize) -> I) -> Naive {
+    let (value, bound) =
+        (0..len).map(|at| terms(at).fold((0.0, 0.0), |(v, b), t| (v + t, b + t.abs()))).unzip();
     Naive { value, bound }
+}
+
+/// The group of each row, for groups of `counts[g]` consecutive rows.
+fn group_of_row(counts: &[u64]) -> Vec<usize> {
+    counts.iter().enumerate().flat_map(|(g, &m)| std::iter::repeat_n(g, m as usize)).collect()
+}
+
+fn naive_forward(x: &[f64], counts: &[u64], w: &[f64], i: usize, o: usize) -> Naive {
+    let group = group_of_row(counts);
+    naive(group.len() * o, |at| {
+        let (r, j, g) = (at / o, at % o, group[at / o]);
+        (0..i).map(move |p| x[r * i + p] * w[(g * o + j) * i + p])
+    })
 }
 
 fn naive_grad_input(gy: &[f64], counts: &[u64], w: &[f64], i: usize, o: usize) -> Naive {
-    let n: usize = counts.iter().sum::<u64>() as usize;
-    let (mut value, mut bound) = (vec![0.0; n * i], vec![0.0; n * i]);
-    let mut r0 = 0;
-    for (g, &m) in counts.iter().enumerate() {
-        for r in r0..r0 + m as usize {
-            for c in 0..i {
-                for j in 0..o {
-                    let t = gy[r * o + j] * w[(g * o + j) * i + c];
-                    value[r * i + c] += t;
-                    bound[r * i + c] += t.abs();
-                }
-            }
-        }
-        r0 += m as usize;
-    }
-    Naive { value, bound }
+    let group = group_of_row(counts);
+    naive(group.len() * i, |at| {
+        let (r, c, g) = (at / i, at % i, group[at / i]);
+        (0..o).map(move |j| gy[r * o + j] * w[(g * o + j) * i + c])
+    })
 }
 
 fn naive_grad_weight(gy: &[f64], x: &[f64], counts: &[u64], i: usize, o: usize) -> Naive {
-    let (mut value, mut bound) = (vec![0.0; counts.len() * o * i], vec![0.0; counts.len() * o * i]);
-    let mut r0 = 0;
-    for (g, &m) in counts.iter().enumerate() {
-        for j in 0..o {
-            for c in 0..i {
-                for r in r0..r0 + m as usize {
-                    let t = gy[r * o + j] * x[r * i + c];
-                    value[(g * o + j) * i + c] += t;
-                    bound[(g * o + j) * i + c] += t.abs();
-                }
-            }
-        }
-        r0 += m as usize;
-    }
-    Naive { value, bound }
+    let group = group_of_row(counts);
+    naive(counts.len() * o * i, |at| {
+        let (g, j, c) = (at / (o * i), at / i % o, at % i);
+        let rows = group.partition_point(|&of| of < g)..group.partition_point(|&of| of <= g);
+        rows.map(move |r| gy[r * o + j] * x[r * i + c])
+    })
 }
 
 /// Checks `got` against the naive result: f64 to 1e-12 of Σ|terms|, f32 to 1e-5, and bf16/f16
@@ -1072,75 +1054,47 @@ fn c_abi_permute_and_unpermute() {
     assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert!(last_error().contains("`dst` and `src` overlap"), "{}", last_error());
 
+    // Unpermute errors: NULL probs with bytes, short probs, a repeated index, and bytes that do
+    // not fit the element type.
     let mut out = vec![0u16; 6];
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_BF16,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        r.permutation.as_ptr(),
-        3,
-        2,
-        std::ptr::null(),
-        12,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("`probs` is NULL but `probs_bytes` is 12"), "{}", last_error());
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_BF16,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        r.permutation.as_ptr(),
-        3,
-        2,
-        probs.as_ptr().cast(),
-        10,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("`probs_bytes` is 10 but [tokens 3, top_k 2]"), "{}", last_error());
     let bad_perm = [0u64, 0, 1, 2, 3, 4];
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_BF16,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        bad_perm.as_ptr(),
-        3,
-        2,
-        std::ptr::null(),
-        0,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("permutation[1] repeats the value 0"), "{}", last_error());
-    assert_eq!(out, [0; 6]);
-    let st = fsdpturbo_unpermute(
-        FSDPTURBO_DTYPE_F32,
-        permuted.as_ptr().cast(),
-        24,
-        2,
-        r.permutation.as_ptr(),
-        3,
-        2,
-        std::ptr::null(),
-        0,
-        out.as_mut_ptr().cast(),
-        12,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(
-        last_error().contains(
-            "`permuted_bytes` is 24 but [tokens 3 × top_k 2, hidden 2] of 4-byte elements is 48 bytes"
+    let (perm, null) = (r.permutation.as_ptr(), std::ptr::null());
+    let unpermute_cases = [
+        (FSDPTURBO_DTYPE_BF16, perm, null, 12, "`probs` is NULL but `probs_bytes` is 12"),
+        (
+            FSDPTURBO_DTYPE_BF16,
+            perm,
+            probs.as_ptr().cast(),
+            10,
+            "`probs_bytes` is 10 but [tokens 3, top_k 2]",
         ),
-        "{}",
-        last_error()
-    );
+        (FSDPTURBO_DTYPE_BF16, bad_perm.as_ptr(), null, 0, "permutation[1] repeats the value 0"),
+        (
+            FSDPTURBO_DTYPE_F32,
+            perm,
+            null,
+            0,
+            "`permuted_bytes` is 24 but [tokens 3 × top_k 2, hidden 2] of 4-byte elements is 48 bytes",
+        ),
+    ];
+    for (dtype, permutation, probs, probs_bytes, message) in unpermute_cases {
+        let st = fsdpturbo_unpermute(
+            dtype,
+            permuted.as_ptr().cast(),
+            24,
+            2,
+            permutation,
+            3,
+            2,
+            probs,
+            probs_bytes,
+            out.as_mut_ptr().cast(),
+            12,
+        );
+        assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains(message), "{}", last_error());
+    }
+    assert_eq!(out, [0; 6]);
 }
 
 #[test]
@@ -1171,21 +1125,24 @@ fn c_abi_grouped_mm_and_gradients_match_the_core() {
                 Buf::Bf16(v) | Buf::F16(v) => v.as_mut_ptr().cast(),
             }
         };
+        let forward = |x_bytes: usize, y: &mut Buf, y_bytes: usize| {
+            let w_bytes = 3 * o * i * size;
+            fsdpturbo_grouped_mm(
+                code,
+                ptr(&x),
+                x_bytes,
+                counts.as_ptr(),
+                3,
+                i,
+                o,
+                ptr(&w),
+                w_bytes,
+                mptr(y),
+                y_bytes,
+            )
+        };
         let (mut y, mut y_core) = (Buf::garbage(ty, n * o), Buf::garbage(ty, n * o));
-        let st = fsdpturbo_grouped_mm(
-            code,
-            ptr(&x),
-            n * i * size,
-            counts.as_ptr(),
-            3,
-            i,
-            o,
-            ptr(&w),
-            3 * o * i * size,
-            mptr(&mut y),
-            n * o * size,
-        );
-        assert_eq!(st, FSDPTURBO_OK, "{}", last_error());
+        assert_eq!(forward(n * i * size, &mut y, n * o * size), FSDPTURBO_OK, "{}", last_error());
         grouped_mm(x.host(), &counts, w.host(), i, o, y_core.host_mut()).unwrap();
         assert!(y.bits() == y_core.bits(), "{ty:?}");
 
@@ -1227,92 +1184,57 @@ fn c_abi_grouped_mm_and_gradients_match_the_core() {
         check(ty, &gw, &naive_grad_weight(&gy.values(), &x.values(), &counts, i, o), "C grad_w");
 
         // Byte lengths that are not whole elements, or do not match the shapes.
-        let st = fsdpturbo_grouped_mm(
-            code,
-            ptr(&x),
-            n * i * size - 1,
-            counts.as_ptr(),
-            3,
-            i,
-            o,
-            ptr(&w),
-            3 * o * i * size,
-            mptr(&mut y),
-            n * o * size,
-        );
-        assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-        if size > 1 {
-            assert!(
-                last_error().contains("`x_bytes`") && last_error().contains("whole number"),
-                "{}",
-                last_error()
-            );
+        let bad_lengths: [(usize, usize, &[&str]); 2] = [
+            (n * i * size - 1, n * o * size, &["`x_bytes`", "whole number"]),
+            (n * i * size, (n * o - 1) * size, &["`y` has"]),
+        ];
+        for (x_bytes, y_bytes, wanted) in bad_lengths {
+            assert_eq!(forward(x_bytes, &mut y, y_bytes), FSDPTURBO_ERR_INVALID_ARGUMENT);
+            assert!(wanted.iter().all(|w| last_error().contains(w)), "{}", last_error());
         }
-        let st = fsdpturbo_grouped_mm(
-            code,
-            ptr(&x),
-            n * i * size,
-            counts.as_ptr(),
-            3,
-            i,
-            o,
-            ptr(&w),
-            3 * o * i * size,
-            mptr(&mut y),
-            (n * o - 1) * size,
-        );
-        assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-        assert!(last_error().contains("`y` has"), "{}", last_error());
     }
-    // A bad dtype code, an output that overlaps an input, a NULL group list.
+    // A bad dtype code, an output that overlaps an input, a NULL group list: each a valid f32
+    // call but for the arguments its case sets.
     let x = [0f32; 35];
     let w = [0f32; 105];
     let mut y = [0f32; 49];
-    let st = fsdpturbo_grouped_mm(
-        9,
-        x.as_ptr().cast(),
-        140,
-        counts.as_ptr(),
-        3,
-        i,
-        o,
-        w.as_ptr().cast(),
-        420,
-        y.as_mut_ptr().cast(),
-        196,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("`dtype` is 9"));
     let mut both = [0f32; 105];
-    let st = fsdpturbo_grouped_mm(
-        FSDPTURBO_DTYPE_F32,
-        x.as_ptr().cast(),
-        140,
-        counts.as_ptr(),
-        3,
-        i,
-        o,
-        both.as_ptr().cast(),
-        420,
-        both.as_mut_ptr().wrapping_add(50).cast(),
-        196,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_INVALID_ARGUMENT);
-    assert!(last_error().contains("`y` and `weight` overlap"), "{}", last_error());
-    let st = fsdpturbo_grouped_mm(
-        FSDPTURBO_DTYPE_F32,
-        x.as_ptr().cast(),
-        140,
-        std::ptr::null(),
-        3,
-        i,
-        o,
-        w.as_ptr().cast(),
-        420,
-        y.as_mut_ptr().cast(),
-        196,
-    );
-    assert_eq!(st, FSDPTURBO_ERR_NULL_ARGUMENT);
-    assert!(last_error().contains("`group_rows`"));
+    let (y_ptr, both_ptr) = (y.as_mut_ptr(), both.as_mut_ptr());
+    let cases = [
+        (9, w.as_ptr(), counts.as_ptr(), y_ptr, FSDPTURBO_ERR_INVALID_ARGUMENT, "`dtype` is 9"),
+        (
+            FSDPTURBO_DTYPE_F32,
+            both_ptr.cast_const(),
+            counts.as_ptr(),
+            both_ptr.wrapping_add(50),
+            FSDPTURBO_ERR_INVALID_ARGUMENT,
+            "`y` and `weight` overlap",
+        ),
+        (
+            FSDPTURBO_DTYPE_F32,
+            w.as_ptr(),
+            std::ptr::null(),
+            y_ptr,
+            FSDPTURBO_ERR_NULL_ARGUMENT,
+            "`group_rows`",
+        ),
+    ];
+    for (dtype, weight, group_rows, y, status, message) in cases {
+        let st = fsdpturbo_grouped_mm(
+            dtype,
+            x.as_ptr().cast(),
+            140,
+            group_rows,
+            3,
+            i,
+            o,
+            weight.cast(),
+            420,
+            y.cast(),
+            196,
+        );
+        assert_eq!(st, status);
+        assert!(last_error().contains(message), "{}", last_error());
+    }
     assert_eq!(y, [0.0; 49]);
 }

@@ -17,7 +17,7 @@ use fsdpturbo::state::{ParallelState, global_state, initialize_global, reset_glo
 use fsdpturbo::topology::{Topology, TopologySpec};
 
 mod common;
-use common::last_error;
+use common::{last_error, topology_options};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -232,18 +232,13 @@ fn sixteen_threads_two_topologies_one_group_wins() {
 // C ABI
 
 fn new_topology(world: u64, cp: u64, ep: u64) -> *mut fsdpturbo_topology_t {
-    let opts = fsdpturbo_topology_options_t {
-        struct_size: std::mem::size_of::<fsdpturbo_topology_options_t>(),
-        world_size: world,
-        dp_size: 0,
-        cp_size: cp,
-        mp_replicate_size: 1,
-        mp_shard_size: 0,
-        ep_size: ep,
-        efsdp_size: 0,
-    };
     let mut out = ptr::null_mut();
-    assert_eq!(fsdpturbo_topology_new(&opts, &mut out), FSDPTURBO_OK, "{}", last_error());
+    assert_eq!(
+        fsdpturbo_topology_new(&topology_options(world, cp, ep), &mut out),
+        FSDPTURBO_OK,
+        "{}",
+        last_error()
+    );
     out
 }
 

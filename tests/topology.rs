@@ -14,7 +14,7 @@ use fsdpturbo::ffi::topology::*;
 use fsdpturbo::topology::{MAX_MATERIALIZED_RANKS, Mesh, Topology, TopologySpec};
 
 mod common;
-use common::last_error;
+use common::{last_error, topology_options};
 
 fn spec(world: u64, cp: u64, ep: u64) -> TopologySpec {
     TopologySpec { world_size: world, cp_size: cp, ep_size: ep, ..TopologySpec::default() }
@@ -752,20 +752,6 @@ fn brute_force_acceptance_matches_divisibility() {
 // ---------------------------------------------------------------------------------------------
 // C ABI
 
-fn options(world: u64, cp: u64, ep: u64) -> fsdpturbo_topology_options_t {
-    // What FSDPTURBO_TOPOLOGY_OPTIONS_INIT gives, with three sizes set.
-    fsdpturbo_topology_options_t {
-        struct_size: std::mem::size_of::<fsdpturbo_topology_options_t>(),
-        world_size: world,
-        dp_size: 0,
-        cp_size: cp,
-        mp_replicate_size: 1,
-        mp_shard_size: 0,
-        ep_size: ep,
-        efsdp_size: 0,
-    }
-}
-
 struct Handle(*mut fsdpturbo_topology_t);
 
 impl Drop for Handle {
@@ -798,7 +784,7 @@ fn group(h: &Handle, mesh: i32, dims: &str, rank: u64) -> Result<Vec<u64>, (i32,
 
 #[test]
 fn ffi_new_and_sizes() {
-    let h = new_handle(&options(16, 2, 4));
+    let h = new_handle(&topology_options(16, 2, 4));
     let sizes: Vec<u64> =
         ["world", "dp", "cp", "mp_replicate", "mp_shard", "ep", "efsdp", "edp", "expert_cp"]
             .iter()
@@ -814,13 +800,13 @@ fn ffi_new_and_sizes() {
         mp_shard_size: 4,
         efsdp_size: 1,
         ep_size: 2,
-        ..options(8, 1, 1)
+        ..topology_options(8, 1, 1)
     });
     let sizes: Vec<u64> =
         ["dp", "mp_replicate", "mp_shard", "ep", "efsdp", "edp"].iter().map(|d| size(&h, d)).collect();
     assert_eq!(sizes, vec![8, 2, 4, 2, 1, 4]);
 
-    let h = new_handle(&options(1, 1, 1));
+    let h = new_handle(&topology_options(1, 1, 1));
     assert_eq!((size(&h, "efsdp"), size(&h, "edp"), size(&h, "expert_cp")), (1, 1, 1));
 }
 
@@ -829,26 +815,32 @@ fn ffi_new_errors() {
     let mut out = ptr::dangling_mut::<fsdpturbo_topology_t>(); // must be reset to NULL
     assert_eq!(fsdpturbo_topology_new(ptr::null(), &mut out), FSDPTURBO_ERR_NULL_ARGUMENT);
     assert_eq!(last_error(), "argument `options` must not be NULL");
-    assert_eq!(fsdpturbo_topology_new(&options(8, 1, 1), ptr::null_mut()), FSDPTURBO_ERR_NULL_ARGUMENT);
+    assert_eq!(
+        fsdpturbo_topology_new(&topology_options(8, 1, 1), ptr::null_mut()),
+        FSDPTURBO_ERR_NULL_ARGUMENT
+    );
     assert_eq!(last_error(), "argument `out` must not be NULL");
 
     let mut out = ptr::dangling_mut::<fsdpturbo_topology_t>();
-    assert_eq!(fsdpturbo_topology_new(&options(16, 1, 3), &mut out), FSDPTURBO_ERR_TOPOLOGY);
+    assert_eq!(fsdpturbo_topology_new(&topology_options(16, 1, 3), &mut out), FSDPTURBO_ERR_TOPOLOGY);
     assert!(out.is_null());
     assert!(last_error().starts_with("dp_size must be divisible by ep_size, got 16 % 3 != 0."));
 
     // cp, mp_replicate, ep and world have no "default" zero.
     for opts in [
-        options(0, 1, 1),
-        options(8, 0, 1),
-        options(8, 1, 0),
-        fsdpturbo_topology_options_t { mp_replicate_size: 0, ..options(8, 1, 1) },
+        topology_options(0, 1, 1),
+        topology_options(8, 0, 1),
+        topology_options(8, 1, 0),
+        fsdpturbo_topology_options_t { mp_replicate_size: 0, ..topology_options(8, 1, 1) },
     ] {
         assert_eq!(fsdpturbo_topology_new(&opts, &mut out), FSDPTURBO_ERR_TOPOLOGY);
         assert!(last_error().ends_with("must be positive, got 0."), "{}", last_error());
     }
     assert_eq!(
-        fsdpturbo_topology_new(&fsdpturbo_topology_options_t { efsdp_size: 2, ..options(8, 1, 1) }, &mut out),
+        fsdpturbo_topology_new(
+            &fsdpturbo_topology_options_t { efsdp_size: 2, ..topology_options(8, 1, 1) },
+            &mut out
+        ),
         FSDPTURBO_ERR_TOPOLOGY
     );
     assert!(last_error().contains("needs expert parallelism, but ep_size is 1"));
@@ -891,8 +883,8 @@ const SIZE_DIMS: [&str; 9] =
 fn ffi_from_config_takes_every_size_of_the_config() {
     // (YAML, world, the same sizes as options for fsdpturbo_topology_new)
     let cases = [
-        ("model: m\n", 8, options(8, 1, 1)),
-        ("cp_size: 2\ndist_config: {name: fsdpturbo, ep_size: 4}\n", 16, options(16, 2, 4)),
+        ("model: m\n", 8, topology_options(8, 1, 1)),
+        ("cp_size: 2\ndist_config: {name: fsdpturbo, ep_size: 4}\n", 16, topology_options(16, 2, 4)),
         (
             "dp_size: 8\ncp_size: 2\nmp_replicate_size: 2\nmp_shard_size: 8\n\
              dist_config: {name: fsdpturbo, ep_size: 2, efsdp_size: 2}\n",
@@ -902,13 +894,13 @@ fn ffi_from_config_takes_every_size_of_the_config() {
                 mp_replicate_size: 2,
                 mp_shard_size: 8,
                 efsdp_size: 2,
-                ..options(16, 2, 2)
+                ..topology_options(16, 2, 2)
             },
         ),
         (
             "mp_replicate_size: 4\ndist_config: {name: fsdpturbo, ep_size: 2, efsdp_size: 1}\n",
             8,
-            fsdpturbo_topology_options_t { mp_replicate_size: 4, efsdp_size: 1, ..options(8, 1, 2) },
+            fsdpturbo_topology_options_t { mp_replicate_size: 4, efsdp_size: 1, ..topology_options(8, 1, 2) },
         ),
     ];
     for (yaml, world, opts) in cases {
@@ -953,7 +945,7 @@ fn ffi_struct_size() {
     assert_eq!(full, 64);
     let mut out = ptr::null_mut();
     for small in [0, 8, full - 8, full - 1] {
-        let opts = fsdpturbo_topology_options_t { struct_size: small, ..options(8, 1, 2) };
+        let opts = fsdpturbo_topology_options_t { struct_size: small, ..topology_options(8, 1, 2) };
         assert_eq!(fsdpturbo_topology_new(&opts, &mut out), FSDPTURBO_ERR_STRUCT_SIZE);
         assert!(out.is_null());
         assert_eq!(
@@ -970,7 +962,7 @@ fn ffi_struct_size() {
         v1: fsdpturbo_topology_options_t,
         future: [u64; 3],
     }
-    let mut newer = Newer { v1: options(8, 1, 2), future: [7; 3] };
+    let mut newer = Newer { v1: topology_options(8, 1, 2), future: [7; 3] };
     newer.v1.struct_size = std::mem::size_of::<Newer>();
     let mut out = ptr::null_mut();
     assert_eq!(fsdpturbo_topology_new(&newer.v1, &mut out), FSDPTURBO_OK);
@@ -980,7 +972,7 @@ fn ffi_struct_size() {
 
 #[test]
 fn ffi_size_errors() {
-    let h = new_handle(&options(8, 1, 2));
+    let h = new_handle(&topology_options(8, 1, 2));
     let mut out = 0u64;
     let bad = CString::new("dp_size").unwrap();
     assert_eq!(fsdpturbo_topology_size(h.0, bad.as_ptr(), &mut out), FSDPTURBO_ERR_INVALID_ARGUMENT);
@@ -1004,7 +996,7 @@ fn ffi_size_errors() {
 #[test]
 fn ffi_mesh_shape_and_selectors() {
     assert_eq!((FSDPTURBO_MESH_DATA, FSDPTURBO_MESH_MODEL, FSDPTURBO_MESH_EXPERT), (0, 1, 2));
-    let h = new_handle(&fsdpturbo_topology_options_t { mp_replicate_size: 4, ..options(16, 2, 4) });
+    let h = new_handle(&fsdpturbo_topology_options_t { mp_replicate_size: 4, ..topology_options(16, 2, 4) });
     let shape_of = |mesh: i32| {
         let mut buf = [0u64; 4];
         let mut len = 0usize;
@@ -1043,7 +1035,7 @@ fn ffi_mesh_shape_and_selectors() {
     assert_eq!(rc, FSDPTURBO_ERR_NULL_ARGUMENT);
 
     // No expert mesh with ep 1.
-    let h1 = new_handle(&options(16, 2, 1));
+    let h1 = new_handle(&topology_options(16, 2, 1));
     let rc = fsdpturbo_topology_mesh_shape(h1.0, FSDPTURBO_MESH_EXPERT, small.as_mut_ptr(), 3, &mut len);
     assert_eq!(rc, FSDPTURBO_ERR_INVALID_ARGUMENT);
     assert_eq!(
@@ -1056,7 +1048,7 @@ fn ffi_mesh_shape_and_selectors() {
 
 #[test]
 fn ffi_coordinates() {
-    let h = new_handle(&options(16, 2, 4));
+    let h = new_handle(&topology_options(16, 2, 4));
     let coordinate = |mesh: i32, rank: u64| {
         let mut buf = [0u64; 4];
         let mut len = 0usize;
@@ -1083,7 +1075,7 @@ fn ffi_coordinates() {
 
 #[test]
 fn ffi_groups() {
-    let h = new_handle(&options(16, 2, 4));
+    let h = new_handle(&topology_options(16, 2, 4));
     assert_eq!(group(&h, FSDPTURBO_MESH_EXPERT, "ep", 9).unwrap(), vec![9, 11, 13, 15]);
     assert_eq!(group(&h, FSDPTURBO_MESH_EXPERT, "efsdp", 9).unwrap(), vec![1, 9]);
     assert_eq!(group(&h, FSDPTURBO_MESH_EXPERT, "expert_cp", 9).unwrap(), vec![8, 9]);
@@ -1130,10 +1122,10 @@ fn ffi_groups() {
 
 #[test]
 fn ffi_free_accepts_null_and_keeps_the_last_error() {
-    let live = new_handle(&options(8, 1, 1)); // success clears the last error
+    let live = new_handle(&topology_options(8, 1, 1)); // success clears the last error
     assert_eq!(fsdpturbo_last_error(ptr::null_mut(), 0), 0);
     let mut out = ptr::null_mut();
-    assert_eq!(fsdpturbo_topology_new(&options(16, 1, 3), &mut out), FSDPTURBO_ERR_TOPOLOGY);
+    assert_eq!(fsdpturbo_topology_new(&topology_options(16, 1, 3), &mut out), FSDPTURBO_ERR_TOPOLOGY);
     let before = last_error();
     assert!(before.starts_with("dp_size must be divisible by ep_size"), "{before}");
     // Cleaning up after a failure must not erase its message.

@@ -134,3 +134,17 @@ fn without_a_dist_config_every_dist_config_key_is_serialised_with_its_default() 
     assert_eq!(keys, expected);
     assert_eq!(json["dist"], serde_json::to_value(DistConfig::default()).unwrap());
 }
+
+#[test]
+fn every_dist_config_field_at_the_top_level_belongs_inside_dist_config() {
+    for field in DIST_FIELDS.iter().filter(|&&field| field != "name") {
+        let yaml = format!("model: m\n{field}: 4\ndist_config: {{name: fsdpturbo}}\n");
+        let Err(ConfigErrors(errors)) = parse_train_config(&yaml) else {
+            panic!("expected {yaml:?} to fail");
+        };
+        let [e] = errors.as_slice() else { panic!("expected one error, got {errors:#?}") };
+        assert_eq!((e.path.as_str(), e.line), (*field, Some(2)), "{e}");
+        assert!(e.message.contains(&format!("`{field}` is a dist_config (FSDPTurboParams) field")), "{e}");
+        assert!(e.message.contains("move it inside dist_config"), "{e}");
+    }
+}

@@ -88,7 +88,9 @@ fn size_of_dim(topology: &Topology, dim: &str) -> Result<u64, FfiError> {
     })
 }
 
-fn select_mesh(topology: &Topology, mesh: i32) -> Result<Mesh, FfiError> {
+/// Mesh `mesh` (FSDPTURBO_MESH_*) of the `topology` handle argument.
+fn select_mesh(topology: *const fsdpturbo_topology_t, mesh: i32) -> Result<Mesh, FfiError> {
+    let topology = &arg_ref(topology, "topology")?.topology;
     match mesh {
         FSDPTURBO_MESH_DATA => Ok(topology.data_mesh()),
         FSDPTURBO_MESH_MODEL => Ok(topology.model_mesh()),
@@ -202,7 +204,6 @@ pub extern "C" fn fsdpturbo_topology_mesh_shape(
     out_len: *mut usize,
 ) -> i32 {
     boundary(|| {
-        let topology = &arg_ref(topology, "topology")?.topology;
         let mesh = select_mesh(topology, mesh)?;
         write_slice(shape, capacity, out_len, &mesh.shape, "shape")
     })
@@ -221,7 +222,6 @@ pub extern "C" fn fsdpturbo_topology_coordinate(
     out_len: *mut usize,
 ) -> i32 {
     boundary(|| {
-        let topology = &arg_ref(topology, "topology")?.topology;
         let mesh = select_mesh(topology, mesh)?;
         let coord = mesh.coordinate(rank)?;
         write_slice(coordinate, capacity, out_len, &coord, "coordinate")
@@ -245,7 +245,6 @@ pub extern "C" fn fsdpturbo_topology_group(
     out_len: *mut usize,
 ) -> i32 {
     boundary(|| {
-        let topology = &arg_ref(topology, "topology")?.topology;
         let mesh = select_mesh(topology, mesh)?;
         let dims = parse_dims(arg_str(dims, "dims")?)?;
         let group = mesh.group(rank, &dims)?;

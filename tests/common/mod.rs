@@ -4,6 +4,7 @@
 use std::process::Command;
 
 use fsdpturbo::ffi::error::fsdpturbo_last_error;
+use fsdpturbo::ffi::topology::fsdpturbo_topology_options_t;
 
 /// Cargo's environment variable for the runner of the target the tests are built for.
 pub fn runner_variable() -> String {
@@ -68,4 +69,18 @@ pub fn last_error() -> String {
     assert_eq!(fsdpturbo_last_error(buf.as_mut_ptr().cast(), buf.len()), len);
     buf.truncate(len);
     String::from_utf8(buf).unwrap()
+}
+
+/// What FSDPTURBO_TOPOLOGY_OPTIONS_INIT gives, with three sizes set.
+pub fn topology_options(world: u64, cp: u64, ep: u64) -> fsdpturbo_topology_options_t {
+    fsdpturbo_topology_options_t {
+        struct_size: std::mem::size_of::<fsdpturbo_topology_options_t>(),
+        world_size: world,
+        dp_size: 0,
+        cp_size: cp,
+        mp_replicate_size: 1,
+        mp_shard_size: 0,
+        ep_size: ep,
+        efsdp_size: 0,
+    }
 }

@@ -149,7 +149,7 @@ int32_t fsdpturbo_cuda_compute_capability(int32_t device, uint32_t *out_cc);
 int32_t fsdpturbo_debug_panic(void);
 
 // Test mode only: succeeds only when libascendcl, libhccl, libopapi and libnnopbase are all
-// fsdpturbo's C test doubles (csrc/testing; they export a marker no CANN library has), and
+// fsdpturbo's C test doubles (tests/doubles; they export a marker no CANN library has), and
 // then makes a stream of the double's runtime. With real CANN libraries it always fails, so
 // the op library's switch onto the doubles cannot be thrown in production.
 int32_t fsdpturbo_ascend_test_double_stream(void **out);

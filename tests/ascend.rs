@@ -1,21 +1,21 @@
 //! The Ascend backends (src/backend/{acl,hccl,aclnn}.rs, src/comm/hccl.rs) against the C test
-//! doubles of csrc/testing: loading, missing libraries and symbols, HCCL collectives among
+//! doubles of tests/doubles: loading, missing libraries and symbols, HCCL collectives among
 //! three ranks, and grouped matmul with its exact call protocol and real results.
 
-mod ascend_double;
+mod doubles;
 
-use ascend_double::{Host, f32_view, live_objects, normalize, stream};
-use fsdpturbo::backend::acl::{ACL_INT64, Acl};
-use fsdpturbo::backend::aclnn::{Aclnn, View};
-use fsdpturbo::backend::hccl::Hccl;
+use doubles::{Host, f32_view, live_objects, normalize, stream};
+use fsdpturbo::backend::ascend::acl::{ACL_INT64, Acl};
+use fsdpturbo::backend::ascend::aclnn::{Aclnn, View};
+use fsdpturbo::backend::ascend::hccl::Hccl;
 use fsdpturbo::comm::hccl::{HcclCollective, root_info};
 use fsdpturbo::comm::{AllToAllV, Buffers, Collective, Exchange, ReduceOp};
 use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
 fn setup() -> std::sync::MutexGuard<'static, ()> {
-    let guard = ascend_double::lock();
-    ascend_double::use_doubles(&ascend_double::dir().join("libopapi.so"));
+    let guard = doubles::lock();
+    doubles::use_doubles(&doubles::dir().join("libopapi.so"));
     guard
 }
 
@@ -23,11 +23,11 @@ fn setup() -> std::sync::MutexGuard<'static, ()> {
 fn loaders_find_the_libraries_and_report_what_is_missing() {
     let _g = setup();
     let acl = Acl::load().unwrap();
-    assert!(fsdpturbo::backend::acl::is_test_double(&acl.lib));
+    assert!(fsdpturbo::backend::ascend::acl::is_test_double(&acl.lib));
     Hccl::load().unwrap();
     assert_eq!(Aclnn::load().unwrap().grouped_mm.version(), 5, "V5 is preferred when present");
 
-    let d = ascend_double::dir();
+    let d = doubles::dir();
     unsafe { std::env::set_var("FSDPTURBO_HCCL_PATH", d.join("absent/libhccl.so")) };
     let err = Hccl::load().err().unwrap();
     assert_eq!(err.kind, ErrorKind::Unavailable);
@@ -43,7 +43,7 @@ fn loaders_find_the_libraries_and_report_what_is_missing() {
     assert!(err.message.contains("has no symbol `aclDestroyAclOpExecutor`"), "{}", err.message);
 
     unsafe { std::env::set_var("FSDPTURBO_OPAPI_PATH", d.join("libhccl.so")) };
-    ascend_double::use_doubles(&d.join("libhccl.so"));
+    doubles::use_doubles(&d.join("libhccl.so"));
     let err = Aclnn::load().err().unwrap();
     assert!(err.message.starts_with("no aclnn library has `aclCreateTensor`; searched "), "{}", err.message);
 }
@@ -51,7 +51,7 @@ fn loaders_find_the_libraries_and_report_what_is_missing() {
 #[test]
 fn hccl_collectives_among_three_ranks() {
     let _g = setup();
-    let log = ascend_double::fresh_log("collectives");
+    let log = doubles::fresh_log("collectives");
     let root = root_info().unwrap();
     assert_eq!(root.len(), 4108);
     let bad = HcclCollective::new(&root[..4100], 3, 0).err().unwrap();
@@ -164,7 +164,7 @@ fn hccl_collectives_among_three_ranks() {
             assert!(mismatch.is_none());
         }
     }
-    let lines = ascend_double::read_log(&log);
+    let lines = doubles::read_log(&log);
     let a2av: Vec<_> =
         lines.iter().filter(|l| l.starts_with("HcclAlltoAllV ") && l.contains("rank=1 ")).collect();
     assert!(
@@ -205,7 +205,7 @@ fn counts_view<'a>(dims: &'a [i64], strides: &'a [i64], counts: &'a mut [i64]) -
 fn grouped_mm_calls_the_two_phases_in_order_and_computes() {
     let _g = setup();
     let api = Aclnn::get().unwrap();
-    let log = ascend_double::fresh_log("gmm");
+    let log = doubles::fresh_log("gmm");
     let st = stream();
     let (g, m, k, n) = (3usize, 5usize, 4usize, 3usize);
     let mut counts = vec![2i64, 0, 3];
@@ -357,5 +357,5 @@ fn grouped_mm_calls_the_two_phases_in_order_and_computes() {
         "VIOLATION aclCreateTensor: the view reaches element 36 of a storage of 36 elements",
         "aclDestroyTensorList L10",
     ];
-    assert_eq!(normalize(&ascend_double::read_log(&log)), expected);
+    assert_eq!(normalize(&doubles::read_log(&log)), expected);
 }

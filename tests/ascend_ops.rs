@@ -1,21 +1,21 @@
-//! The aclnn MoE token permute/unpermute and MC2 operators (src/backend/aclnn/{moe,mc2}.rs)
+//! The aclnn MoE token permute/unpermute and MC2 operators (src/backend/ascend/aclnn/{moe,mc2}.rs)
 //! against the C test doubles: real results compared with host arithmetic, the call protocol,
 //! the communicator found by its HCCL name, and the errors when an operator is missing.
 
-mod ascend_double;
+mod doubles;
 
 use std::ffi::CString;
 
-use ascend_double::{Host, f32_view, live_objects, normalize, stream};
-use fsdpturbo::backend::acl::{ACL_BF16, ACL_INT32};
-use fsdpturbo::backend::aclnn::mc2::Exchange;
-use fsdpturbo::backend::aclnn::{Aclnn, View};
+use doubles::{Host, f32_view, live_objects, normalize, stream};
+use fsdpturbo::backend::ascend::acl::{ACL_BF16, ACL_INT32};
+use fsdpturbo::backend::ascend::aclnn::mc2::Exchange;
+use fsdpturbo::backend::ascend::aclnn::{Aclnn, View};
 use fsdpturbo::comm::hccl::{HcclCollective, root_info};
 use fsdpturbo::error::ErrorKind;
 
 fn setup() -> std::sync::MutexGuard<'static, ()> {
-    let guard = ascend_double::lock();
-    ascend_double::use_doubles(&ascend_double::dir().join("libopapi.so"));
+    let guard = doubles::lock();
+    doubles::use_doubles(&doubles::dir().join("libopapi.so"));
     guard
 }
 
@@ -34,7 +34,7 @@ fn i32_view<'a>(dims: &'a [i64], strides: &'a [i64], data: &'a mut [i32]) -> Vie
 fn token_permute_and_unpermute_follow_the_sorted_indices_contract() {
     let _g = setup();
     let api = Aclnn::get().unwrap();
-    let log = ascend_double::fresh_log("moe");
+    let log = doubles::fresh_log("moe");
     let st = stream();
     let (t, k, h) = (3usize, 2usize, 2usize);
     let mut tokens: Vec<f32> = (0..t * h).map(|i| i as f32 + 1.0).collect();
@@ -101,7 +101,7 @@ fn token_permute_and_unpermute_follow_the_sorted_indices_contract() {
         assert_eq!(&back[slot * h..(slot + 1) * h], &tokens[(slot / k) * h..(slot / k + 1) * h]);
     }
     assert_eq!(live_objects(), 0);
-    let lines = normalize(&ascend_double::read_log(&log));
+    let lines = normalize(&doubles::read_log(&log));
     assert_eq!(
         lines[..8],
         [
@@ -168,7 +168,7 @@ fn weight(which: usize, r: usize, j: usize, n: usize, k: usize, kk: usize) -> f3
 #[test]
 fn mc2_operators_move_rows_to_their_experts_and_back() {
     let _g = setup();
-    let log = ascend_double::fresh_log("mc2");
+    let log = doubles::fresh_log("mc2");
     let root = root_info().unwrap();
     let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..RANKS)
@@ -281,7 +281,7 @@ fn mc2_operators_move_rows_to_their_experts_and_back() {
             at += n as usize;
         }
     }
-    let lines = ascend_double::read_log(&log);
+    let lines = doubles::read_log(&log);
     assert!(!lines.iter().any(|l| l.starts_with("VIOLATION")), "{lines:#?}");
     let gets: Vec<_> = lines.iter().filter(|l| l.contains("GetWorkspaceSize")).collect();
     assert_eq!(gets.len(), 4, "{gets:#?}");
@@ -305,8 +305,8 @@ fn mc2_operators_move_rows_to_their_experts_and_back() {
 #[test]
 fn mc2_and_permute_report_what_is_missing_or_wrong() {
     let _g = setup();
-    let d = ascend_double::dir();
-    ascend_double::use_doubles(&d.join("v4only/libopapi.so"));
+    let d = doubles::dir();
+    doubles::use_doubles(&d.join("v4only/libopapi.so"));
     let api = Aclnn::load().unwrap();
     assert!(api.alltoallv_grouped_mm.is_none() && api.token_permute.is_none());
     let (dims, strides, mut data) = ([1i64, 1], [1i64, 1], vec![0u16; 1]);
@@ -328,7 +328,7 @@ fn mc2_and_permute_report_what_is_missing_or_wrong() {
         .unwrap_err();
     assert!(err.message.starts_with("no aclnn library has `aclnnMoeTokenUnpermute`"), "{}", err.message);
 
-    ascend_double::use_doubles(&d.join("libopapi.so"));
+    doubles::use_doubles(&d.join("libopapi.so"));
     let api = Aclnn::load().unwrap();
     let empty = CString::new("").unwrap();
     let exchange = Exchange { group: &empty, ..exchange };

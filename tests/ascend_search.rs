@@ -2,16 +2,16 @@
 //! own (it loads a libopapi without aclnnGroupedMatmulV5): `$ASCEND_HOME_PATH/lib64`, op-plugin's
 //! search order, and the V5 → V4 fallback, which then runs the same protocol.
 
-mod ascend_double;
+mod doubles;
 
-use fsdpturbo::backend::acl::{ACL_FLOAT, ACL_INT64, Acl};
-use fsdpturbo::backend::aclnn::{Aclnn, View};
-use fsdpturbo::backend::hccl::Hccl;
+use fsdpturbo::backend::ascend::acl::{ACL_FLOAT, ACL_INT64, Acl};
+use fsdpturbo::backend::ascend::aclnn::{Aclnn, View};
+use fsdpturbo::backend::ascend::hccl::Hccl;
 
 #[test]
 fn ascend_home_path_lib64_and_the_op_plugin_search_order() {
-    let _g = ascend_double::lock();
-    let d = ascend_double::dir();
+    let _g = doubles::lock();
+    let d = doubles::dir();
     let home = d.join("ascend_home");
     let lib64 = home.join("lib64");
     let _ = std::fs::remove_dir_all(&home);
@@ -44,9 +44,9 @@ fn ascend_home_path_lib64_and_the_op_plugin_search_order() {
 
 #[test]
 fn without_v5_grouped_mm_falls_back_to_v4() {
-    let _g = ascend_double::lock();
-    ascend_double::use_doubles(&ascend_double::dir().join("v4only/libopapi.so"));
-    let log = ascend_double::fresh_log("v4");
+    let _g = doubles::lock();
+    doubles::use_doubles(&doubles::dir().join("v4only/libopapi.so"));
+    let log = doubles::fresh_log("v4");
     let api = Aclnn::get().unwrap();
     assert_eq!(api.grouped_mm.version(), 4);
     let acl = Acl::get().unwrap();
@@ -89,7 +89,7 @@ fn without_v5_grouped_mm_falls_back_to_v4() {
     }
     .unwrap();
     assert_eq!(y, [1.0, 2.0, 6.0, 8.0]);
-    let lines = ascend_double::read_log(&log);
+    let lines = doubles::read_log(&log);
     assert!(lines.iter().any(|l| l.starts_with("aclnnGroupedMatmulV4GetWorkspaceSize ")), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("aclnnGroupedMatmulV4 workspace=384 ")), "{lines:?}");
     assert!(!lines.iter().any(|l| l.contains("V5") || l.starts_with("VIOLATION")), "{lines:?}");

@@ -6,8 +6,9 @@
 
 use std::path::PathBuf;
 
-use fsdpturbo::backend::kernels::{DeviceTensor, NORM_CHUNK, SOURCES, compile_all, multi_tensor_table};
-use fsdpturbo::backend::{add_search_dirs, nvrtc::Output};
+use fsdpturbo::backend::add_search_dirs;
+use fsdpturbo::backend::cuda::kernels::{DeviceTensor, NORM_CHUNK, SOURCES, compile_all, multi_tensor_table};
+use fsdpturbo::backend::cuda::nvrtc::Output;
 use fsdpturbo::dtype::Dtype;
 
 fn library_dirs() -> bool {
@@ -47,10 +48,10 @@ fn nccl_reports_a_version_and_unique_ids() {
     if !library_dirs() {
         return;
     }
-    let nccl = fsdpturbo::backend::nccl::nccl().unwrap();
+    let nccl = fsdpturbo::backend::cuda::nccl::nccl().unwrap();
     let v = nccl.version().unwrap();
     assert!(v >= 20700, "{v}");
-    assert!(fsdpturbo::backend::nccl::version_string(v).starts_with("2."));
+    assert!(fsdpturbo::backend::cuda::nccl::version_string(v).starts_with("2."));
     let (a, b) = (fsdpturbo::comm::nccl::unique_id().unwrap(), fsdpturbo::comm::nccl::unique_id().unwrap());
     assert_ne!(a, b);
 }
@@ -81,7 +82,7 @@ fn compiled_kernels_are_cached_on_disk_by_source_arch_and_nvrtc_version() {
     let _ = std::fs::remove_dir_all(&dir);
     // SAFETY: this test binary reads the variable only through compile_cached, here.
     unsafe { std::env::set_var("FSDPTURBO_KERNEL_CACHE", &dir) };
-    let nvrtc = fsdpturbo::backend::nvrtc::nvrtc().unwrap();
+    let nvrtc = fsdpturbo::backend::cuda::nvrtc::nvrtc().unwrap();
     let source = SOURCES[0].source();
     let first = nvrtc.compile_cached(&source, "route", 90, Output::Ptx).unwrap();
     let (major, minor) = nvrtc.version();

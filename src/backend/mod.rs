@@ -1,5 +1,5 @@
-//! Vendor libraries loaded at run time (one file per library), so that one build serves hosts
-//! with and without CUDA or CANN. This module holds what they share: where a library is looked
+//! Vendor libraries loaded at run time (one file per library, in a folder per vendor family:
+//! `cuda/`, `ascend/`), so that one build serves hosts with and without CUDA or CANN. This module holds what they share: where a library is looked
 //! for, and how its symbols are resolved without ever panicking.
 //!
 //! Search order for a library: its environment variable (an explicit file; no fallback when it
@@ -15,14 +15,8 @@ use parking_lot::RwLock;
 
 use crate::error::{Error, ErrorKind, Result};
 
-pub mod acl;
-pub mod aclnn;
-pub mod cublas;
+pub mod ascend;
 pub mod cuda;
-pub mod hccl;
-pub mod kernels;
-pub mod nccl;
-pub mod nvrtc;
 
 /// A device stream (`cudaStream_t`, `aclrtStream`) of the caller, or null for host work. The
 /// device libraries order their calls on it; the collectives of `comm` take it too.

@@ -5,7 +5,7 @@
 use std::ffi::{CStr, c_void};
 
 use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
-use crate::backend::hccl::{
+use crate::backend::ascend::hccl::{
     HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce,
 };
 use crate::error::{Error, ErrorKind, Result};

@@ -6,11 +6,11 @@
 use std::ffi::{c_int, c_void};
 
 use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
-use crate::backend::cuda::driver;
-use crate::backend::nccl::{self, Nccl, NcclComm, NcclUniqueId, nccl};
+use crate::backend::cuda::driver::driver;
+use crate::backend::cuda::nccl::{self, Nccl, NcclComm, NcclUniqueId, nccl};
 use crate::error::{Error, Result};
 
-pub use crate::backend::nccl::NCCL_UNIQUE_ID_BYTES;
+pub use crate::backend::cuda::nccl::NCCL_UNIQUE_ID_BYTES;
 
 /// A fresh unique id as bytes.
 pub fn unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES]> {

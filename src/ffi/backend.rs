@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use super::handle::{arg_strs, invalid, write_out};
 use super::panic::boundary;
-use crate::backend::{self, kernels, nvrtc};
+use crate::backend;
+use crate::backend::cuda::{kernels, nvrtc};
 
 /// Adds directories searched for every vendor library (NCCL, cuBLAS, NVRTC, the CUDA driver,
 /// HCCL, ...) after its FSDPTURBO_*_PATH variable and before the system loader, in order. The

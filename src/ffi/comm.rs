@@ -16,7 +16,7 @@ use super::norm::{
     fsdpturbo_reduce_fn,
 };
 use super::panic::boundary;
-use crate::backend::nccl as nccl_lib;
+use crate::backend::cuda::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
 use crate::comm::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, SingleRank, Stream};

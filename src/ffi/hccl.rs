@@ -10,7 +10,7 @@ use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{arg_ref, arg_slice, free_handle, into_handle, invalid, write_array, write_out};
 use super::panic::boundary;
-use crate::backend::hccl::{HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES};
+use crate::backend::ascend::hccl::{HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES};
 use crate::comm::hccl::{HcclCollective, root_info};
 use crate::comm::{AllToAllV, Collective, Stream};
 

@@ -8,9 +8,9 @@ use super::dtype::float_dtype_arg;
 use super::error::FfiError;
 use super::handle::{arg_cstr, arg_fn, arg_ref, arg_slice, invalid, write_out};
 use super::panic::boundary;
-use crate::backend::acl::{ACL_BF16, ACL_FLOAT16, ACL_INT32, ACL_INT64, acl_dtype};
-use crate::backend::aclnn::mc2::Exchange;
-use crate::backend::aclnn::{Aclnn, View};
+use crate::backend::ascend::acl::{ACL_BF16, ACL_FLOAT16, ACL_INT32, ACL_INT64, acl_dtype};
+use crate::backend::ascend::aclnn::mc2::Exchange;
+use crate::backend::ascend::aclnn::{Aclnn, View};
 use crate::error::{Error, ErrorKind};
 
 /// A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting

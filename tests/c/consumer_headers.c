@@ -1,7 +1,7 @@
 /* A C trainer's translation unit: fsdpturbo.h after the system and vendor headers such a file
  * includes anyway. The header must add nothing but fsdpturbo_ and FSDPTURBO_ names, so none of
  * them can clash with <sys/param.h>'s MAX/MIN or with CANN's and NCCL's own declarations
- * (csrc/include: ours, quoted from the vendors' headers). C11, pedantic, warnings as errors;
+ * (third_party/vendor-headers: ours, quoted from the vendors' headers). C11, pedantic, warnings as errors;
  * linked with the shared library and run. consumer_headers.cpp does the same in C++20 with the
  * headers in the other order (and <torch/extension.h> where torch is found). */
 #include <sys/param.h>

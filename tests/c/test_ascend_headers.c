@@ -1,4 +1,4 @@
-/* Header conformance: our hand-written CANN declarations (csrc/include/ascend) against the values
+/* Header conformance: our hand-written CANN declarations (third_party/vendor-headers/ascend) against the values
  * of CANN's public headers (each quoted below). Compiling is the test; main() only exists so
  * ctest can run it. The signatures are checked by assigning each function to a pointer of the
  * header's exact type (a mismatch is a compile error under -Werror). */

@@ -1,4 +1,4 @@
-// Runs the CUDA C of csrc/kernels on the host, for CI machines without a GPU: every CUDA thread
+// Runs the CUDA C of src/backend/cuda/kernels on the host, for CI machines without a GPU: every CUDA thread
 // of a block is a std::thread, __syncthreads is a barrier, blocks run one after another (so
 // `__shared__` may be a function-static), atomics are std::atomic_ref. The f16 conversions
 // (PTX inline assembly on the device) become _Float16 conversions; tests/python/

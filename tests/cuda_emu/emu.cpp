@@ -1,5 +1,5 @@
-// The launch sequences of src/backend/kernels.rs, over the host-emulated kernels (cuda_emu.h).
-// KERNELS_CU is the generated file holding csrc/kernels/common.cuh and the three sources.
+// The launch sequences of src/backend/cuda/kernels.rs, over the host-emulated kernels (cuda_emu.h).
+// KERNELS_CU is the generated file holding src/backend/cuda/kernels/common.cuh and the three sources.
 #include "cuda_emu.h"
 #include KERNELS_CU
 

@@ -1,5 +1,5 @@
 """The NPU kernels (torch_ext/csrc/npu_ops.cpp) and the mc2 dispatcher run end to end on CPU
-tensors over fsdpturbo's C test doubles of CANN (csrc/testing, built by CMake): the production
+tensors over fsdpturbo's C test doubles of CANN (tests/doubles, built by CMake): the production
 C++/Rust call sequence, with the doubles checking every call and computing real results. The
 fused and mc2 dispatchers are compared with the eager dispatcher on gloo ranks."""
 import ctypes

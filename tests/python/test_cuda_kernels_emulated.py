@@ -1,6 +1,6 @@
-"""The CPU twin of the CUDA kernel tests: the CUDA C of csrc/kernels, compiled for the host by
+"""The CPU twin of the CUDA kernel tests: the CUDA C of src/backend/cuda/kernels, compiled for the host by
 g++ with a thread-per-CUDA-thread emulation (tests/cuda_emu), launched in the order and shapes
-of src/backend/kernels.rs, must give exactly what the op library's host kernels give: routing
+of src/backend/cuda/kernels.rs, must give exactly what the op library's host kernels give: routing
 (stable counting sort, zero-token experts, duplicate top-k, bad ids), row permutes (16-byte and
 2-byte paths, bad rows), unpermute + combine (every dtype, bit for bit), the multi-tensor power
 sum (over the table libfsdpturbo builds) and the fused scale. What this cannot show (real
@@ -29,7 +29,7 @@ _i64p = ctypes.POINTER(ctypes.c_int64)
 
 def _host_source():
     """The kernel sources with the device-only lines replaced by host equivalents."""
-    kernels = ROOT / "csrc" / "kernels"
+    kernels = ROOT / "src" / "backend" / "cuda" / "kernels"
     common = (kernels / "common.cuh").read_text()
     swaps = [('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_f16_to_f32(h);"),
              ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));', "h = emu_f32_to_f16(x);")]

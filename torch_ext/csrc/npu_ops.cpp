@@ -8,7 +8,7 @@
 // (docs/design.md §4.5).
 //
 // Test mode (`fsdpturbo::_ascend_test_double_enable`): libfsdpturbo agrees only when every CANN
-// library it loaded is fsdpturbo's C test double (csrc/testing, never installed; real CANN
+// library it loaded is fsdpturbo's C test double (tests/doubles, never installed; real CANN
 // libraries lack its marker). Then these same kernels are also registered for CPU tensors (the
 // double treats device pointers as host pointers) on a stream the double made, so the
 // production call sequence runs end to end in CI.

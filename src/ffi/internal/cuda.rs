@@ -1,4 +1,4 @@
-//! C ABI of the CUDA kernels (src/backend/kernels.rs, cublas.rs): what torch_ext's CUDA dispatch
+//! C ABI of the CUDA kernels (src/backend/cuda/kernels.rs, cublas.rs): what torch_ext's CUDA dispatch
 //! keys call. Every data pointer is device memory of `device` (a CUDA ordinal), every launch is
 //! ordered on `stream` (a `cudaStream_t`, e.g. torch's current stream), and scratch memory is a
 //! caller-provided workspace whose size the `*_workspace` functions give. Functions that check
@@ -7,8 +7,8 @@
 use std::ffi::c_void;
 
 use crate::backend::Stream;
-use crate::backend::cublas::{self, GemmBuffers, GemmKind};
-use crate::backend::kernels::{self, DeviceTensor, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
+use crate::backend::cuda::cublas::{self, GemmBuffers, GemmKind};
+use crate::backend::cuda::kernels::{self, DeviceTensor, PermuteBuffers, RouteBuffers, UnpermuteBuffers};
 use crate::ffi::dtype::float_dtype_arg;
 use crate::ffi::handle::{arg_slice, invalid, write_out, write_slice};
 use crate::ffi::norm::fsdpturbo_grad_t;
@@ -274,5 +274,7 @@ pub extern "C" fn fsdpturbo_cuda_grouped_mm(
 /// The compute capability of CUDA device `device` as major*10 + minor (90 on an H100/H200).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_cuda_compute_capability(device: i32, out_cc: *mut u32) -> i32 {
-    boundary(|| write_out(out_cc, "out_cc", crate::backend::cuda::driver()?.compute_capability(device)?))
+    boundary(|| {
+        write_out(out_cc, "out_cc", crate::backend::cuda::driver::driver()?.compute_capability(device)?)
+    })
 }

@@ -3,9 +3,9 @@
 
 use std::ffi::c_void;
 
-use crate::backend::acl::{self, Acl};
-use crate::backend::aclnn::Aclnn;
-use crate::backend::hccl::Hccl;
+use crate::backend::ascend::acl::{self, Acl};
+use crate::backend::ascend::aclnn::Aclnn;
+use crate::backend::ascend::hccl::Hccl;
 use crate::ffi::error::FfiError;
 use crate::ffi::handle::write_out;
 use crate::ffi::panic::boundary;
@@ -19,7 +19,7 @@ pub extern "C" fn fsdpturbo_debug_panic() -> i32 {
 }
 
 /// Test mode only: succeeds only when libascendcl, libhccl, libopapi and libnnopbase are all
-/// fsdpturbo's C test doubles (csrc/testing; they export a marker no CANN library has), and
+/// fsdpturbo's C test doubles (tests/doubles; they export a marker no CANN library has), and
 /// then makes a stream of the double's runtime. With real CANN libraries it always fails, so
 /// the op library's switch onto the doubles cannot be thrown in production.
 #[unsafe(no_mangle)]

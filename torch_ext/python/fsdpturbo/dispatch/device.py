@@ -9,7 +9,7 @@ _TEST_DOUBLE = False
 
 def enable_test_double():
     """Tests only: runs the NPU kernels on CPU tensors over fsdpturbo's C test doubles of CANN
-    (csrc/testing). libfsdpturbo refuses unless every CANN library it loads is the double, so
+    (tests/doubles). libfsdpturbo refuses unless every CANN library it loads is the double, so
     this cannot switch a production process onto fake kernels."""
     global _TEST_DOUBLE
     ops._ascend_test_double_enable()

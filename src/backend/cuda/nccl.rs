@@ -7,7 +7,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 
 use once_cell::sync::OnceCell;
 
-use super::{LibrarySpec, Loaded, load};
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::error::{Error, ErrorKind, Result};
 
 pub type NcclResult = c_int;

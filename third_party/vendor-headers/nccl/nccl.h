@@ -1,6 +1,6 @@
 /* Minimal NCCL declarations used by libfsdpturbo (hand-written; no CUDA or NCCL headers are
  * needed to build). Every name, value and signature is quoted from NVIDIA/nccl src/nccl.h.in
- * (NCCL 2.30.7); src/backend/nccl.rs
+ * (NCCL 2.30.7); src/backend/cuda/nccl.rs
  * declares the same. Streams are opaque pointers here (the real header takes cudaStream_t from
  * <cuda_runtime.h>). tests/c/consumer_headers.{c,cpp} compile it beside fsdpturbo.h. */
 #ifndef FSDPTURBO_NCCL_NCCL_H

@@ -1,6 +1,6 @@
 // Multi-tensor kernels of the gradient norm (src/norm.rs `local_power_sum`, `scale_in_place`).
 // The tensors are described by a table in device memory, built by the host
-// (src/backend/kernels.rs `MultiTensorTable`): `chunk_first[n + 1]` (the first chunk of each
+// (src/backend/cuda/kernels.rs `MultiTensorTable`): `chunk_first[n + 1]` (the first chunk of each
 // tensor; chunks are NORM_CHUNK elements) then `n` segments. One block per chunk.
 //
 // power_sum_partials_*: per chunk, sum |x|^p (kind ABS p = 1, SQUARE p = 2, POW any other p) in the

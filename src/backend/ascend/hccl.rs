@@ -1,4 +1,4 @@
-//! HCCL (`libhccl.so`), loaded at run time. Signatures from `csrc/include/ascend/hccl.h`
+//! HCCL (`libhccl.so`), loaded at run time. Signatures from `third_party/vendor-headers/ascend/hccl.h`
 //! (CANN's `hccl_types.h`, `hccl.h`): HCCL's own data-type and reduce-op numbering (not NCCL's; no
 //! AVG), a 4108-byte root info, and the communicator out-pointer last.
 
@@ -6,7 +6,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 use super::acl::{AclrtStream, ascend_lib_dirs};
-use super::{LibrarySpec, Loaded, load};
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::error::{Error, ErrorKind, Result};
 
 pub type HcclResult = c_int;
@@ -82,7 +82,7 @@ impl Hccl {
     /// Loads the library and resolves every symbol (not cached; see [`Hccl::get`]).
     pub fn load() -> Result<Hccl> {
         let lib = load(&SPEC)?;
-        // SAFETY: the types are hccl.h's (csrc/include/ascend/hccl.h).
+        // SAFETY: the types are hccl.h's (third_party/vendor-headers/ascend/hccl.h).
         unsafe {
             Ok(Hccl {
                 get_root_info: lib.required("HcclGetRootInfo")?,

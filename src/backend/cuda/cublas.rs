@@ -11,9 +11,9 @@ use std::ffi::{c_int, c_void};
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
-use super::Stream;
-use super::cuda::{CUstream, driver};
-use super::{LibrarySpec, Loaded, load};
+use super::driver::{CUstream, driver};
+use crate::backend::Stream;
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 

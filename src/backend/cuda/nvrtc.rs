@@ -1,4 +1,4 @@
-//! NVRTC (`libnvrtc.so.13` / `.12`), loaded at run time: compiles the CUDA C of `csrc/kernels`
+//! NVRTC (`libnvrtc.so.13` / `.12`), loaded at run time: compiles the CUDA C of `src/backend/cuda/kernels`
 //! to PTX or a cubin for one architecture, with an on-disk cache keyed by the source hash, the
 //! architecture and the NVRTC version. NVRTC needs no GPU, so CI compiles every kernel.
 //! Declarations hand-written from the NVRTC reference (`nvrtc.h`).
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use once_cell::sync::OnceCell;
 
-use super::{LibrarySpec, Loaded, load};
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::error::{Error, ErrorKind, Result};
 
 type NvrtcResult = c_int;

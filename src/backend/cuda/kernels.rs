@@ -1,4 +1,4 @@
-//! The CUDA kernels of `csrc/kernels`: their sources (compiled by NVRTC at first use for the
+//! The CUDA kernels of `src/backend/cuda/kernels`: their sources (compiled by NVRTC at first use for the
 //! device's compute capability, through the on-disk cache), the modules loaded per device, and
 //! the launch sequences with their argument checks. Semantics are those of `route.rs` and
 //! `norm.rs` (computed on the host by `host/`); an error found on the device (an out-of-range
@@ -14,14 +14,14 @@ use std::ffi::c_void;
 
 use parking_lot::Mutex;
 
-use super::Stream;
-use super::cuda::{CUfunction, Driver, driver};
+use super::driver::{CUfunction, Driver, driver};
 use super::nvrtc::{Output, nvrtc};
+use crate::backend::Stream;
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 use crate::norm::NormType;
 
-const COMMON: &str = include_str!("../../csrc/kernels/common.cuh");
+const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// One kernel source file and the functions it defines.
 pub struct KernelSource {
@@ -37,12 +37,12 @@ pub const NORM: usize = 2;
 pub static SOURCES: [KernelSource; 3] = [
     KernelSource {
         name: "route",
-        body: include_str!("../../csrc/kernels/route.cu"),
+        body: include_str!("kernels/route.cu"),
         functions: &["route_tile_counts", "route_scan_tiles", "route_starts", "route_scatter"],
     },
     KernelSource {
         name: "permute",
-        body: include_str!("../../csrc/kernels/permute.cu"),
+        body: include_str!("kernels/permute.cu"),
         functions: &[
             "permute_rows_v16",
             "permute_rows_u16",
@@ -59,7 +59,7 @@ pub static SOURCES: [KernelSource; 3] = [
     },
     KernelSource {
         name: "norm",
-        body: include_str!("../../csrc/kernels/norm.cu"),
+        body: include_str!("kernels/norm.cu"),
         functions: &[
             "power_sum_partials_f64",
             "power_sum_partials_f32",

@@ -1,6 +1,6 @@
-//! Builds the C test doubles of the CANN libraries (csrc/testing) for cargo's tests, with the C
-//! compiler of the target the tests are built for (build.rs), and points libfsdpturbo's loaders
-//! at them. (ctest's Python suite uses the copies CMake builds from the same sources.)
+//! Builds the C test doubles of the CANN libraries (libraries.txt, the list CMake builds for
+//! ctest's Python suite too) for cargo's tests, with the C compiler of the target the tests are
+//! built for (build.rs), and points libfsdpturbo's loaders at them.
 // Shared by several test binaries, each of which uses a part.
 #![allow(dead_code)]
 
@@ -9,28 +9,35 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use fsdpturbo::backend::acl::{ACL_FLOAT, Acl};
-use fsdpturbo::backend::aclnn::View;
+use fsdpturbo::backend::ascend::acl::{ACL_FLOAT, Acl};
+use fsdpturbo::backend::ascend::aclnn::View;
 use fsdpturbo::comm::Stream;
 
-fn compile(out: &Path, sources: &[&str], link: &[&str], defines: &[&str]) {
+/// The doubles' build list, shared with CMake (see its opening comment).
+const LIBRARIES: &str = include_str!("libraries.txt");
+
+/// Compiles one line of the list into `dir`.
+fn compile(dir: &Path, flags: &[&str], line: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = out.parent().unwrap();
+    let mut words = line.split_whitespace();
+    let out = dir.join(words.next().expect("a file name"));
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let (sources, options): (Vec<&str>, Vec<&str>) = words.partition(|w| w.ends_with(".c"));
+    let (links, defines): (Vec<&str>, Vec<&str>) = options.into_iter().partition(|w| w.starts_with("-l"));
     let mut command = env!("FSDPTURBO_TARGET_CC").split('\u{1f}');
     let compiler = command.next().unwrap();
     let status = Command::new(compiler)
         .args(command)
-        .args(["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror"])
-        .arg("-Wno-unused-parameter")
-        .args(defines)
-        .arg(format!("-I{}", root.join("csrc/include").display()))
-        .args(sources.iter().map(|s| root.join("csrc/testing").join(s)))
+        .args(flags)
+        .args(["-fPIC", "-shared"])
+        .args(&defines)
+        .arg(format!("-I{}", root.join("third_party/vendor-headers").display()))
+        .args(sources.iter().map(|s| root.join("tests/doubles").join(s)))
         .arg("-o")
-        .arg(out)
-        .arg(format!("-L{}", dir.parent().unwrap_or(dir).display()))
+        .arg(&out)
         .arg(format!("-L{}", dir.display()))
-        .args(link)
-        .arg(format!("-Wl,-rpath,{}:{}", dir.display(), dir.parent().unwrap_or(dir).display()))
+        .args(&links)
+        .arg(format!("-Wl,-rpath,{}:{}", out.parent().unwrap().display(), dir.display()))
         .status()
         .unwrap_or_else(|e| {
             panic!("cannot run the target's C compiler {compiler} for the Ascend test doubles: {e}")
@@ -45,22 +52,16 @@ pub fn dir() -> &'static Path {
     DIR.get_or_init(|| {
         let dir =
             Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ascend_double_{}", std::process::id()));
-        std::fs::create_dir_all(dir.join("v4only")).unwrap();
-        compile(&dir.join("libascendcl.so"), &["acl_double.c"], &[], &[]);
-        compile(&dir.join("libhccl.so"), &["hccl_double.c"], &["-lascendcl", "-lpthread", "-lrt"], &[]);
-        compile(
-            &dir.join("libopapi.so"),
-            &["opapi_double.c", "opapi_moe_double.c", "opapi_mc2_double.c"],
-            &["-lascendcl", "-lhccl", "-lpthread"],
-            &[],
-        );
-        compile(&dir.join("libnnopbase.so"), &["nnopbase_double.c"], &["-lopapi"], &[]);
-        compile(
-            &dir.join("v4only/libopapi.so"),
-            &["opapi_double.c"],
-            &["-lascendcl", "-lpthread"],
-            &["-DFSDPTURBO_DOUBLE_NO_V5"],
-        );
+        let lines: Vec<&str> = LIBRARIES.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+        let flags: Vec<&str> = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("flags "))
+            .expect("libraries.txt has a flags line")
+            .split_whitespace()
+            .collect();
+        for line in lines.iter().filter(|l| !l.starts_with("flags ")) {
+            compile(&dir, &flags, line);
+        }
         dir
     })
 }

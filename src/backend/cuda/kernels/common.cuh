@@ -1,4 +1,4 @@
-// Prepended to every kernel source by src/backend/kernels.rs. NVRTC compiles these without any
+// Prepended to every kernel source by src/backend/cuda/kernels.rs. NVRTC compiles these without any
 // header, so the few types and conversions the kernels need are written here; the conversions
 // are those of the host kernels (src/norm.rs), so results match bit for bit where the host
 // kernels define the order of operations. Compiled with --fmad=false for the same reason.

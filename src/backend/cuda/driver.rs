@@ -9,8 +9,8 @@ use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 
-use super::Stream;
-use super::{LibrarySpec, Loaded, load};
+use crate::backend::Stream;
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::error::{Error, ErrorKind, Result};
 
 pub type CUresult = c_int;

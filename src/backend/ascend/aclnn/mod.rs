@@ -1,5 +1,5 @@
 //! aclnn operators (`libopapi.so` and friends) and the executor destructor (`libnnopbase.so`),
-//! loaded at run time. Signatures from `csrc/include/ascend/aclnn.h` (ops-transformer's op_api headers). This
+//! loaded at run time. Signatures from `third_party/vendor-headers/ascend/aclnn.h` (ops-transformer's op_api headers). This
 //! module loads the libraries and owns the descriptors and the two-phase protocol; the operators
 //! are in [`grouped_mm`], [`moe`] (token permute/unpermute) and [`mc2`] (all-to-all-v fused
 //! with grouped matmul).
@@ -22,7 +22,7 @@ use std::sync::OnceLock;
 pub use grouped_mm::GroupedMatmul;
 
 use super::acl::{ACL_FORMAT_ND, AclrtStream, ascend_lib_dirs};
-use super::{LibrarySpec, Loaded, load};
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::error::{Error, ErrorKind, Result};
 
 pub type AclnnStatus = c_int;
@@ -158,7 +158,7 @@ impl Aclnn {
         }
         let nnopbase = load(&NNOPBASE_SPEC)?;
         let missing = |symbol: &str| missing_symbol(&libs, symbol);
-        // SAFETY: the types are aclnn.h's (csrc/include/ascend/aclnn.h).
+        // SAFETY: the types are aclnn.h's (third_party/vendor-headers/ascend/aclnn.h).
         unsafe {
             let create_tensor = find(&libs, "aclCreateTensor").ok_or_else(|| missing("aclCreateTensor"))?;
             let destroy_tensor =

@@ -1,12 +1,12 @@
 //! The ACL runtime (`libascendcl.so`), loaded at run time: streams only. libfsdpturbo never calls
 //! `aclInit`/`aclFinalize` (and does not even resolve them): torch_npu owns the runtime and
-//! tolerates no second owner (torch_npu's own docs). Signatures from `csrc/include/ascend/acl.h`.
+//! tolerates no second owner (torch_npu's own docs). Signatures from `third_party/vendor-headers/ascend/acl.h`.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use super::{LibrarySpec, Loaded, load};
+use crate::backend::{LibrarySpec, Loaded, load};
 use crate::dtype::Dtype;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -53,7 +53,7 @@ pub static SPEC: LibrarySpec = LibrarySpec {
     extra_dirs: ascend_lib_dirs,
 };
 
-/// The marker only fsdpturbo's C test doubles export (csrc/testing); never a CANN library.
+/// The marker only fsdpturbo's C test doubles export (tests/doubles); never a CANN library.
 pub fn is_test_double(lib: &Loaded) -> bool {
     type Marker = unsafe extern "C" fn() -> *const c_char;
     // SAFETY: the doubles define it with this type; CANN libraries do not define it at all.
@@ -75,7 +75,7 @@ impl Acl {
     /// Loads the library and resolves every symbol (not cached; see [`Acl::get`]).
     pub fn load() -> Result<Acl> {
         let lib = load(&SPEC)?;
-        // SAFETY: the types are acl_rt.h's (csrc/include/ascend/acl.h).
+        // SAFETY: the types are acl_rt.h's (third_party/vendor-headers/ascend/acl.h).
         unsafe {
             Ok(Acl {
                 get_device: lib.required("aclrtGetDevice")?,

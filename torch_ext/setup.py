@@ -34,11 +34,11 @@ class BuildWithCMake(build_py):
                                "-DCMAKE_BUILD_TYPE=Release", f"-DPython3_EXECUTABLE={sys.executable}"])
         subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "fsdpturbo_torch"])
         lib_dir = pathlib.Path(self.build_lib) / "fsdpturbo" / "lib"
-        lib_dir.mkdir(parents=True, exist_ok=True)
-        rust_lib = REPO / "target" / "release" / "libfsdpturbo.so"
-        shutil.copy2(rust_lib, lib_dir / "libfsdpturbo.so")
-        # The op library finds the Rust library by its SONAME through $ORIGIN.
-        shutil.copy2(rust_lib, lib_dir / "libfsdpturbo.so.0")
+        shutil.rmtree(lib_dir, ignore_errors=True)  # nothing stale from an earlier build
+        lib_dir.mkdir(parents=True)
+        # One copy of the core, under its SONAME: the op library finds it so through $ORIGIN, and
+        # fsdpturbo/_native.py loads it by that name.
+        shutil.copy2(REPO / "target" / "release" / "libfsdpturbo.so", lib_dir / "libfsdpturbo.so.0")
         shutil.copy2(build_dir / "torch_ext" / "libfsdpturbo_torch.so", lib_dir / "libfsdpturbo_torch.so")
 
 

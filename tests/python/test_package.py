@@ -1,5 +1,8 @@
 """The Python package: loading, errors, config, patterns, and the topology against torch's
 own DeviceMesh groups on gloo ranks."""
+import pathlib
+import tomllib
+
 import pytest
 import torch
 
@@ -9,7 +12,8 @@ from dist_util import run_ranks
 
 
 def test_loads_both_libraries_and_reports_the_version():
-    assert fsdpturbo.__version__ == "0.1.0"
+    cargo = tomllib.loads((pathlib.Path(__file__).parents[2] / "Cargo.toml").read_text())
+    assert fsdpturbo.__version__ == cargo["package"]["version"]
     assert hasattr(torch.ops.fsdpturbo, "copy_slice_")
 
 

@@ -4,6 +4,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,4 +24,6 @@ def test_pip_install_from_torch_ext(tmp_path):
              "assert y.tolist() == [6., 7., 8.]; print(fsdpturbo.__version__)") % str(target)
     out = subprocess.run([sys.executable, "-c", probe], check=True, env={**env, "PYTHONPATH": str(target)},
                          cwd=tmp_path, capture_output=True, text=True)
-    assert out.stdout.strip() == "0.1.0"
+    assert out.stdout.strip() == tomllib.loads((REPO / "Cargo.toml").read_text())["package"]["version"]
+    assert sorted(p.name for p in (target / "fsdpturbo" / "lib").iterdir()) == [
+        "libfsdpturbo.so.0", "libfsdpturbo_torch.so"]

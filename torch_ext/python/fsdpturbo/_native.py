@@ -17,22 +17,20 @@ _PACKAGE = pathlib.Path(__file__).resolve().parent
 _REPO = _PACKAGE.parents[2]
 
 
-def _find(env, filename, build_dirs):
-    candidates = []
-    if os.environ.get(env):
-        candidates.append(pathlib.Path(os.environ[env]))
-    candidates.append(_PACKAGE / "lib" / filename)
-    candidates += [_REPO / d / filename for d in build_dirs]
+def _find(env, installed, built):
+    candidates = [pathlib.Path(os.environ[env])] if os.environ.get(env) else []
+    candidates += [_PACKAGE / "lib" / installed, _REPO / built]
     for path in candidates:
         if path.is_file():
             return path
     searched = "\n  ".join(str(p) for p in candidates)
-    raise ImportError(f"fsdpturbo: cannot find {filename}; searched:\n  {searched}\n"
+    raise ImportError(f"fsdpturbo: cannot find {installed}; searched:\n  {searched}\n"
                       f"Build it (scripts/setup.sh) or point {env} at it.")
 
 
-LIB_PATH = _find("FSDPTURBO_LIB", "libfsdpturbo.so", ["target/release"])
-TORCH_LIB_PATH = _find("FSDPTURBO_TORCH_LIB", "libfsdpturbo_torch.so", ["build/torch_ext"])
+# The wheel ships the core once, under its SONAME: the name the op library links it by.
+LIB_PATH = _find("FSDPTURBO_LIB", "libfsdpturbo.so.0", "target/release/libfsdpturbo.so")
+TORCH_LIB_PATH = _find("FSDPTURBO_TORCH_LIB", "libfsdpturbo_torch.so", "build/torch_ext/libfsdpturbo_torch.so")
 
 lib = ctypes.CDLL(str(LIB_PATH))
 _abi.bind(lib)  # every signature, from the headers (scripts/gen_ctypes.py)

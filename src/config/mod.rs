@@ -48,8 +48,7 @@ pub enum Dispatcher {
     Domino,
 }
 
-/// Every dispatcher. (Module constants of the core stay private where a public one would be
-/// picked up by cbindgen into the C header.)
+/// Every dispatcher.
 const DISPATCHERS: [Dispatcher; 4] =
     [Dispatcher::Eager, Dispatcher::Fused, Dispatcher::Mc2, Dispatcher::Domino];
 

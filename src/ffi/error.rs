@@ -7,7 +7,6 @@ use super::status::{self, FSDPTURBO_STATUS_CLASS_FAILURE, Status};
 use crate::error::Error;
 
 thread_local! {
-    /// cbindgen:ignore
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 

@@ -34,7 +34,7 @@ def test_qwen35_ep_model_spec():
 def test_spec_register_returns_the_function_and_feeds_the_plan():
     from fsdpturbo.llamafactory import FSDPTurboEPModelSpec
     from fsdpturbo.spec import get_ep_fsdp_modules
-    from fsdpturbo.plan import get_model_spec
+    from fsdpturbo.spec import get_model_spec
 
     def prepare(model):
         model.prepared = True

@@ -18,9 +18,10 @@ from .norm import clip_grad_norm_, get_total_norm, warmup_grad_norm
 from .patch import patch_model_members
 from .pattern import module_name_match
 from .placement import copy_weights_, gather_full, local_shape_and_offset
-from .plan import get_model_spec, register_model_spec, resolve_plan
+from .plan import resolve_plan
 from .registry import dispatch_op, get_op, register_op
 from .router_replay import record_routes, replay_routes
+from .spec import get_model_spec, register_model_spec
 from .topology import ParallelState, get_parallel_state, initialize_parallel_state, reset_parallel_state
 from .weights import full_state_dict, load_hf_weights, meta_parameters, save_hf_weights
 

@@ -36,6 +36,12 @@ lib = ctypes.CDLL(str(LIB_PATH))
 _abi.bind(lib)  # every signature, from the headers (scripts/gen_ctypes.py)
 
 
+def c_strings(items):
+    """`items` as a `const char *const *` array (never zero-sized) and its length."""
+    encoded = [s.encode() for s in items]
+    return (ctypes.c_char_p * max(len(encoded), 1))(*encoded), len(encoded)
+
+
 def wheel_library_dirs():
     """The `lib` folders of the installed NVIDIA wheels (`nvidia/*/lib`: NCCL, cuBLAS, NVRTC),
     which libfsdpturbo searches after its FSDPTURBO_*_PATH variables."""
@@ -47,8 +53,7 @@ def wheel_library_dirs():
     return sorted({str(d) for root in roots for d in root.glob("*/lib") if d.is_dir()})
 
 
-_dirs = [d.encode() for d in wheel_library_dirs()]
-lib.fsdpturbo_add_library_dirs((ctypes.c_char_p * len(_dirs))(*_dirs), len(_dirs))
+lib.fsdpturbo_add_library_dirs(*c_strings(wheel_library_dirs()))
 torch.ops.load_library(str(TORCH_LIB_PATH))
 ops = torch.ops.fsdpturbo  # autograd and fakes: fsdpturbo.moe_ops.register(), called by the package
 

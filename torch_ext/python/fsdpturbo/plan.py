@@ -1,39 +1,17 @@
-"""Model specs and plan resolution from the Rust core: which modules are experts and EFSDP
-units, which parameters the outer FSDP2 ignores, and the gradient divide factor."""
+"""Plan resolution from the Rust core: which modules are experts and EFSDP units, which
+parameters the outer FSDP2 ignores, and the gradient divide factor (the specs it reads:
+fsdpturbo.spec)."""
 import ctypes
 import json
 
 from . import _abi
-from ._native import check, lib, string_out
+from ._native import c_strings, check, lib, string_out
 from .config import config_handle
 
 _c = ctypes
 
 
 ModelDesc = _abi.fsdpturbo_model_desc_t  # a model by module names and parameter names and shapes
-
-
-def _strings(items):
-    encoded = [s.encode() for s in items]
-    return (_c.c_char_p * max(len(encoded), 1))(*encoded), len(encoded)
-
-
-def register_model_spec(model_type, ep_modules, ep_fsdp_modules=None):
-    """Registers (or replaces) the spec of `model_type` in the process-wide registry the plan
-    reads: the expert module patterns and the EFSDP unit patterns (None: each expert pattern
-    without its `.experts` suffix). Invalid patterns raise and register nothing."""
-    ep, n_ep = _strings(list(ep_modules))
-    if ep_fsdp_modules is None:
-        check(lib.fsdpturbo_spec_register(model_type.encode(), ep, n_ep, None, 0))
-    else:
-        fsdp, n_fsdp = _strings(list(ep_fsdp_modules))
-        check(lib.fsdpturbo_spec_register(model_type.encode(), ep, n_ep, fsdp, n_fsdp))
-
-
-def get_model_spec(model_type):
-    """The registered spec of `model_type` as a dict (model_type, ep_modules, ep_fsdp_modules);
-    an unregistered type raises the seed's error listing the registered ones."""
-    return json.loads(string_out(lib.fsdpturbo_spec_to_json, model_type.encode()))
 
 
 def _model_type(model):
@@ -52,9 +30,9 @@ def resolve_plan(model, train_config, state):
     `hook_modules`, `params` ([{name, shape, role}], role one of expert, ignored, dense),
     `ignored_params`, `gradient_divide_factor`, `seed_gradient_divide_factor`, `warnings`."""
     with config_handle(train_config) as config:
-        modules, n_modules = _strings([name for name, _ in model.named_modules()])
+        modules, n_modules = c_strings([name for name, _ in model.named_modules()])
         named = list(model.named_parameters())
-        names, n_params = _strings([name for name, _ in named])
+        names, n_params = c_strings([name for name, _ in named])
         ndims = (_c.c_size_t * max(len(named), 1))(*[p.dim() for _, p in named])
         dims = [int(d) for _, p in named for d in p.shape]
         shapes = (_c.c_uint64 * max(len(dims), 1))(*dims)

@@ -1,13 +1,30 @@
-"""`FSDPTurboEPModelSpec`: the model-type registry the engine and LlamaFactory's EP step read.
-The patterns live in the Rust spec registry (which the plan reads too); this class adds the
+"""Model specs: which modules of a model type are experts and EFSDP units. The patterns live in
+the Rust spec registry, which the plan reads (`register_model_spec`, `get_model_spec`);
+`FSDPTurboEPModelSpec`, the registry the engine and LlamaFactory's EP step read, adds the
 Python prepare functions."""
 import dataclasses
+import json
 import logging
 from typing import Callable, ClassVar, Dict, List, Optional
 
-from .plan import get_model_spec, register_model_spec
+from ._native import c_strings, check, lib, string_out
 
 logger = logging.getLogger(__name__)
+
+
+def register_model_spec(model_type, ep_modules, ep_fsdp_modules=None):
+    """Registers (or replaces) the spec of `model_type` in the process-wide registry the plan
+    reads: the expert module patterns and the EFSDP unit patterns (None: each expert pattern
+    without its `.experts` suffix). Invalid patterns raise and register nothing."""
+    ep, n_ep = c_strings(list(ep_modules))
+    fsdp, n_fsdp = (None, 0) if ep_fsdp_modules is None else c_strings(list(ep_fsdp_modules))
+    check(lib.fsdpturbo_spec_register(model_type.encode(), ep, n_ep, fsdp, n_fsdp))
+
+
+def get_model_spec(model_type):
+    """The registered spec of `model_type` as a dict (model_type, ep_modules, ep_fsdp_modules);
+    an unregistered type raises the seed's error listing the registered ones."""
+    return json.loads(string_out(lib.fsdpturbo_spec_to_json, model_type.encode()))
 
 
 @dataclasses.dataclass

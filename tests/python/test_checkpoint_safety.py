@@ -1,7 +1,7 @@
 """Saving never destroys what it did not write: only a directory that is a checkpoint is
 replaced (else a clear error, or overwrite=True), every save stages in a directory of its own,
-a save to a path with an asynchronous save pending waits for it, a trailing slash is the same
-path, and files and directories are on disk (fsync) before the renames. The converter refuses
+a save to a path with an asynchronous save pending waits for it, two jobs replacing one path
+take turns, a trailing slash is the same path, and files and directories are on disk (fsync) before the renames. The converter refuses
 a non-empty output unless told to overwrite and leaves nothing behind when it fails."""
 import glob
 import os
@@ -159,3 +159,37 @@ def test_a_failed_conversion_leaves_no_output(tmp_path):
     os.truncate(data, os.path.getsize(data) // 2)
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 1
     assert not os.path.exists(tmp_path / "out") and not _staging_left(tmp_path / "out")
+
+
+def _replace_repeatedly(path, writer, rounds, start):
+    """One job's saves to `path`: each stages a complete directory (two files that name the same
+    writer and round) and replaces `path` with it."""
+    from fsdpturbo.staging import new_staging, replace
+
+    start.wait()
+    for n in range(rounds):
+        staging = new_staging(path)
+        for name in ("a", "b"):
+            with open(os.path.join(staging, name), "w") as f:
+                f.write(f"{writer} {n}")
+        replace(staging, path, ours=lambda d: os.path.isfile(os.path.join(d, "a")), hint="ours")
+
+
+def test_two_jobs_replacing_one_path_leave_one_whole_copy(tmp_path):
+    """Two processes (two training jobs pointed at one directory) replace the same path 100
+    times each, concurrently: every replace succeeds, and what stands at the end is one whole
+    output of one writer, with nothing moved aside left behind."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    path, rounds = os.fspath(tmp_path / "ckpt"), 100
+    start = ctx.Barrier(2)
+    jobs = [ctx.Process(target=_replace_repeatedly, args=(path, w, rounds, start)) for w in ("x", "y")]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join(timeout=300)
+    assert [job.exitcode for job in jobs] == [0, 0]
+    contents = {open(os.path.join(path, name)).read() for name in ("a", "b")}
+    assert contents in ({f"x {rounds - 1}"}, {f"y {rounds - 1}"})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -5,12 +5,19 @@ syncs it to disk, and renames it into place. The directory it replaces is moved 
 `<path>.old` first and deleted last, so at every instant one complete copy exists. A target is
 replaced only when it is absent, an empty directory, one the caller recognises as its own
 output, or when the caller says to overwrite it; a `<path>.old` only when it is the caller's own.
+Replaces into one directory hold a lock on it, so that two jobs saving to one path take turns
+(the last one's output stands, whole).
 """
+import contextlib
+import fcntl
+import logging
 import os
 import shutil
 import uuid
 
 __all__ = ["check_target", "new_staging", "normalised", "replace", "write_synced"]
+
+logger = logging.getLogger(__name__)
 
 
 def normalised(path):
@@ -72,18 +79,37 @@ def _sync_directories(top):
         _sync(root, os.O_RDONLY | os.O_DIRECTORY)
 
 
+@contextlib.contextmanager
+def _locked(directory):
+    """An exclusive lock on `directory` (flock of the directory itself, released when its
+    descriptor closes): other processes replacing into it wait."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            logger.warning("fsdpturbo: cannot lock %s (%s): another job replacing a directory there at the same "
+                           "time is not kept out", directory, e)
+        yield
+    finally:
+        os.close(fd)
+
+
 def replace(staging, path, *, ours, hint):
     """Moves the complete `staging` directory to `path` (checked by `check_target` before the
     writing): its directories are synced, a previous `path` is moved to `<path>.old`, `staging`
-    renamed to `path`, the parent synced, and `<path>.old` deleted. A `<path>.old` left by an
-    interrupted replace is removed first when `ours` recognises it, else FileExistsError."""
+    renamed to `path`, the parent synced, and `<path>.old` deleted, all under the parent's lock.
+    A `<path>.old` left by an interrupted replace is removed first when `ours` recognises it,
+    else FileExistsError."""
     _sync_directories(staging)
-    _check_old(path, ours, hint)
-    old = path + ".old"
-    if os.path.lexists(old):
-        shutil.rmtree(old)
-    if os.path.lexists(path):
-        os.rename(path, old)
-    os.rename(staging, path)
-    _sync(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-    shutil.rmtree(old, ignore_errors=True)
+    parent = os.path.dirname(os.path.abspath(path))
+    with _locked(parent):
+        _check_old(path, ours, hint)
+        old = path + ".old"
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        if os.path.lexists(path):
+            os.rename(path, old)
+        os.rename(staging, path)
+        _sync(parent, os.O_RDONLY | os.O_DIRECTORY)
+        shutil.rmtree(old, ignore_errors=True)

@@ -10,8 +10,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use once_cell::sync::Lazy;
 use parking_lot::{Mutex, RwLock};
+use std::sync::LazyLock;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::pattern::PatternSet;
@@ -129,7 +129,7 @@ pub fn reset_global_state() {
 }
 
 /// The process-wide model-spec registry (built-ins plus specs registered from C or Python).
-static SPECS: Lazy<RwLock<SpecRegistry>> = Lazy::new(|| RwLock::new(SpecRegistry::with_builtins()));
+static SPECS: LazyLock<RwLock<SpecRegistry>> = LazyLock::new(|| RwLock::new(SpecRegistry::with_builtins()));
 
 /// Registers (or replaces) a spec in the process-wide registry after compiling its patterns,
 /// so a bad pattern is reported at registration and nothing is stored.
@@ -155,7 +155,7 @@ pub fn spec(model_type: &str) -> Result<ModelSpec> {
 }
 
 /// The process-wide operator registry (operators registered from C, C++ or Python).
-static OPS: Lazy<Mutex<OpRegistry>> = Lazy::new(|| Mutex::new(OpRegistry::new()));
+static OPS: LazyLock<Mutex<OpRegistry>> = LazyLock::new(|| Mutex::new(OpRegistry::new()));
 
 /// Registers an implementation in the process-wide operator registry (see `OpRegistry::register`).
 pub fn register_op(op_name: &str, device_type: &str) -> Result<Registered> {

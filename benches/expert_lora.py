@@ -1,7 +1,7 @@
 """The cost of LoRA on the experts (issue 27), each a ratio measured in one run: a Qwen3-MoE
 sparse block forward + backward in one process (ep 1; benches/moe.py's shapes and weights) with
 its weights frozen, per dispatcher:
-1. with rank-r LoRA on both expert weights (fsdpturbo.expert_lora: two rank-r matmuls per
+1. with rank-r LoRA on both expert weights (fsdpturbo.moe.expert_lora: two rank-r matmuls per
    weight on the routed rows, the adapters' gradients) against the same block without adapters
    (the frozen-expert step, as LoRA on attention alone trains a MoE layer);
 2. for scale, full training of the block (every weight's gradient) against the frozen step.

@@ -3,7 +3,7 @@
    (`torch.ops.fsdpturbo.moe_route`) vs the torch path the seed uses (histc + argsort), T=16384,
    K=8, E=128, P=8;
 2. a Qwen3-MoE sparse block forward + backward in one process (ep 1): fused vs eager dispatcher;
-3. the cost of the expert-load statistics (`fsdpturbo.expert_stats.record`) in that block: the
+3. the cost of the expert-load statistics (`fsdpturbo.moe.expert_stats.record`) in that block: the
    fused block with and without recording, rounds alternated.
 Run: PYTHONPATH=torch_ext/python .venv/bin/python benches/moe.py
 """
@@ -55,7 +55,7 @@ def block_step(dispatcher, dtype, tokens=2048, hidden=512, inter=256, experts=16
     every token to the same experts); with a `Capacity`, the capacity-bounded dispatch;
     `compiled`: under torch.compile (inductor); not `trained`: the block's weights frozen (the
     input's gradient still computed); `lora_rank`: PEFT's LoRA of that rank on both expert
-    weights (fsdpturbo.expert_lora), its factors from N(0, 0.02) too. `step(set_to_none=False)`
+    weights (fsdpturbo.moe.expert_lora), its factors from N(0, 0.02) too. `step(set_to_none=False)`
     keeps the gradient buffers (CUDA-graph capture)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -96,7 +96,7 @@ def expert_load_cost(calls=2000):
     call (this rank's row of the gathered counts summed over slices, added to the module's
     tally) timed alone over `calls` calls, against the block's median time. (An A/B of whole
     blocks cannot resolve it: the blocks' run-to-run noise is larger than the call.)"""
-    from fsdpturbo import ep_state, expert_stats
+    from fsdpturbo.moe import ep_state, expert_stats
 
     step = block_step("fused", torch.float32)
     block_seconds = median_seconds(step, 7)

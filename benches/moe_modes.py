@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from fsdpturbo.dispatch import Capacity
+from fsdpturbo.moe.dispatch import Capacity
 from moe import block_step, median_seconds
 
 REPEATS = 7

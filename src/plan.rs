@@ -502,7 +502,7 @@ pub fn rank_plan(
 }
 
 /// What `rank` holds with LoRA of rank `lora_rank` on every 3-D expert weight of the EP modules
-/// (fsdpturbo.expert_lora) and every other parameter frozen: the frozen parameters as in
+/// (fsdpturbo.moe.expert_lora) and every other parameter frozen: the frozen parameters as in
 /// `rank_plan`, plus the adapters (`{weight}_lora_down` [E, r, in] and `{weight}_lora_up`
 /// [E, out, r], sharded like the expert weight: dim 0 over ep, dim 1 over efsdp), whose
 /// gradients and AdamW moments are the only ones.

@@ -29,7 +29,7 @@ def _use_double(log):
                       FSDPTURBO_OPAPI_PATH=str(DOUBLE_DIR / "libopapi.so"),
                       FSDPTURBO_NNOPBASE_PATH=str(DOUBLE_DIR / "libnnopbase.so"),
                       FSDPTURBO_DOUBLE_LOG=str(log))
-    from fsdpturbo.dispatch import device
+    from fsdpturbo.moe.dispatch import device
 
     device.enable_test_double()
 
@@ -63,7 +63,7 @@ def _check_protocol(lines):
 
 def test_test_mode_is_refused_without_the_double(tmp_path):
     """The switch onto the doubles fails with real (here: missing or foreign) libraries."""
-    code = ("import torch, fsdpturbo.dispatch.device as m\n"
+    code = ("import torch, fsdpturbo.moe.dispatch.device as m\n"
             "try:\n    m.enable_test_double()\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPTURBO_") or k.endswith("LIB")}
     env.update(ASCEND_HOME_PATH=str(tmp_path))
@@ -215,7 +215,7 @@ def test_mc2_ops_need_an_npu():
 
 def _mc2_checks_rank(rank, world, log_dir):
     _use_double(pathlib.Path(log_dir) / "checks.log")
-    from fsdpturbo.dispatch import mc2
+    from fsdpturbo.moe.dispatch import mc2
     from fsdpturbo._native import ops
 
     x, w = torch.zeros(5, 4, dtype=torch.bfloat16), torch.zeros(2, 6, 4, dtype=torch.bfloat16)
@@ -272,7 +272,7 @@ def test_token_permute_and_unpermute_on_cpu_follow_the_seed_contract():
 
 
 def _comm_name_rank(rank, world):
-    from fsdpturbo.dispatch import mc2
+    from fsdpturbo.moe.dispatch import mc2
 
     with pytest.raises(ValueError, match=r"ep size of 8, 16, 32, 64 \(Atlas A3\), got 4; use the 'fused'"):
         mc2.check_ep_size(4)

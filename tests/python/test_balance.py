@@ -1,4 +1,4 @@
-"""Load balancing under `shard_model` (`fsdpturbo.balance`, `fsdpturbo.expert_bias`) on 4 gloo
+"""Load balancing under `shard_model` (`fsdpturbo.moe.balance`, `fsdpturbo.moe.expert_bias`) on 4 gloo
 ranks against the same Hugging Face model run in one process on the whole global batch, for
 Qwen3-MoE (ep 2, efsdp 2) and Qwen3.5-MoE (ep 4), with activation checkpointing:
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from fsdpturbo.ep_state import ep_modules, state
+from fsdpturbo.moe.ep_state import ep_modules, state
 from models import SEQ, full, tiny_config, train_config
 
 # also run against LlamaFactory's transformers; and on the other instruction sets (ctest parity_*)

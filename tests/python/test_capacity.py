@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fsdpturbo
 from dist_util import run_ranks
-from fsdpturbo.dispatch import Capacity
+from fsdpturbo.moe.dispatch import Capacity
 from host_sync import HostSync, no_host_sync
 from blocks import ROUTES, TOKENS_PER_RANK, block_data, ep_block, ep_step, moe_block, one_process_gates
 
@@ -193,4 +193,4 @@ def test_capacity_arguments_are_checked():
     assert Capacity(factor=1.25).rows(tokens=10, top_k=2, num_experts=8) == 4  # ceil(1.25 · 20 / 8)
     assert Capacity(tokens=7).rows(tokens=10, top_k=2, num_experts=8) == 7
     with pytest.raises(ValueError, match=r"dispatchers \['eager', 'fused'\], got 'domino'"):
-        fsdpturbo.dispatch.get_dispatcher_fn("domino", None, capacity=Capacity(tokens=4))
+        fsdpturbo.moe.dispatch.get_dispatcher_fn("domino", None, capacity=Capacity(tokens=4))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dist_util import run_ranks
 from fsdpturbo import parity
-from fsdpturbo.dispatch import Capacity
+from fsdpturbo.moe.dispatch import Capacity
 from models import batch, full, tiny_config, train_config
 from blocks import TOKENS_PER_RANK, block_data, ep_block, ep_step
 

@@ -10,7 +10,7 @@ import torch
 
 import fsdpturbo
 from dist_util import run_ranks
-from fsdpturbo.dispatch import Capacity
+from fsdpturbo.moe.dispatch import Capacity
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 from blocks import moe_block, one_process_gates, override_router
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdpturbo.dispatch import Capacity
+from fsdpturbo.moe.dispatch import Capacity
 from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 from blocks import moe_block
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fsdpturbo
-from fsdpturbo import comm
+import native_comm
 
 ops = fsdpturbo.ops
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -225,8 +225,8 @@ def test_clip_grad_norm_on_cuda_matches_torch(gen):
 
 
 def test_one_rank_nccl_all_reduce_through_our_loader():
-    uid = comm.nccl_unique_id()
-    c = comm.nccl_comm(uid, 1, 0, torch.cuda.current_device())
+    uid = native_comm.nccl_unique_id()
+    c = native_comm.nccl_comm(uid, 1, 0, torch.cuda.current_device())
     try:
         t = torch.arange(1024, dtype=torch.float32, device=DEV)
         c.all_reduce(t, 0)
@@ -245,7 +245,7 @@ def test_nccl_comm_from_a_gloo_group_id_broadcast(tmp_path):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        c = comm.nccl_comm_for_group()
+        c = native_comm.nccl_comm_for_group()
         t = torch.full((7,), 3.0, device=DEV, dtype=torch.bfloat16)
         c.all_reduce(t, 1)  # MAX
         torch.cuda.synchronize()

@@ -69,7 +69,7 @@ def _check_ep_state(block, num_experts, ep, ep_rank):
     """The EP module's one state object (found by `ep_modules`, nothing in it a tensor: meta
     initialisation materialises the module later) and the seed's attributes as read-only views of
     it, `expert_ids_per_ep_rank` also with one local expert; the module's class keeps its name."""
-    from fsdpturbo.ep_state import ep_modules, state
+    from fsdpturbo.moe.ep_state import ep_modules, state
 
     experts, local = block.experts, num_experts // ep
     assert ep_modules(block) == [("experts", experts)] and state(experts).name == "experts"
@@ -154,7 +154,7 @@ def test_rank_with_zero_tokens_and_ranks_that_receive_nothing():
 def _user_dispatcher(ep_group, module, hidden_states, top_k_index, top_k_weights):
     """A user callable, bound to the EP group as the seed does: delegates to eager."""
     module.user_calls = getattr(module, "user_calls", 0) + 1
-    from fsdpturbo.dispatch.eager import eager_forward
+    from fsdpturbo.moe.dispatch.eager import eager_forward
 
     return eager_forward(module, hidden_states, top_k_index, top_k_weights, ep_group=ep_group)
 

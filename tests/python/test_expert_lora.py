@@ -1,4 +1,4 @@
-"""LoRA on the experts (fsdpturbo.expert_lora): a PEFT model with adapters on the expert weights
+"""LoRA on the experts (fsdpturbo.moe.expert_lora): a PEFT model with adapters on the expert weights
 (`target_parameters`) and on attention (`target_modules`), sharded by `shard_model` on gloo
 ranks, against the same PEFT model in one process on the whole global batch
 (fsdpturbo.parity): loss, every adapter gradient, the grad norm and the adapters after AdamW
@@ -50,7 +50,7 @@ def build_peft_model(family="qwen3_moe", seed=0, adapter_seed=0, r=2, expert_tar
 def peft_full(model, tensors):
     """Full tensors by the names of the sharded PEFT `model`, gathered, by the names and in the
     layout of the one-process PEFT model."""
-    from fsdpturbo import expert_lora
+    from fsdpturbo.moe import expert_lora
 
     return expert_lora.to_peft(model, {name: full(t) for name, t in tensors.items()})
 
@@ -58,7 +58,7 @@ def peft_full(model, tensors):
 def test_engine_factors_reproduce_peft_delta_weight():
     """The engine's per-expert factors give PEFT's own ΔW (ParamWrapper.get_delta_weight) for
     every expert, and convert back to PEFT's matrices bitwise."""
-    from fsdpturbo import expert_lora
+    from fsdpturbo.moe import expert_lora
 
     model = build_peft_model().double()
     experts = model.base_model.model.model.layers[0].mlp.experts
@@ -134,8 +134,9 @@ def train_against_peft(model, reference, clip, where):
 
 def _train_rank_fn(rank, world, layouts):
     """Per layout: `train_against_peft` with activation checkpointing on (as test_train does)."""
-    from fsdpturbo import clip_grad_norm_, expert_lora
+    from fsdpturbo import clip_grad_norm_
     from fsdpturbo.engine import shard_model
+    from fsdpturbo.moe import expert_lora
     from fsdpturbo.parity import Reference
 
 
@@ -206,7 +207,7 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     from fsdp_turbo.distributed.parallel_state import reset_parallel_state
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
     from fsdp_turbo.training.clip_grads import clip_grad_norm
-    from fsdpturbo import expert_lora
+    from fsdpturbo.moe import expert_lora
     from fsdpturbo.parity import Reference
 
     reference = Reference(build_peft_model(), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))

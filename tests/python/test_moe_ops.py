@@ -69,7 +69,7 @@ def test_unpermute_is_the_weighted_sum_over_k():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_silu_gate_gives_the_bits_of_autograd_on_silu_times_up(dtype):
-    from fsdpturbo.dispatch.experts import activation
+    from fsdpturbo.moe.dispatch.experts import activation
 
     module = torch.nn.Module()
     module.act_fn = torch.nn.SiLU()

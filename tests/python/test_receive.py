@@ -1,4 +1,4 @@
-"""What each rank sends and receives in the dispatch all-to-all (`fsdpturbo.dispatch.pipeline.Receive`,
+"""What each rank sends and receives in the dispatch all-to-all (`fsdpturbo.moe.dispatch.pipeline.Receive`,
 from the all-gathered counts, and its `local_order`, the second stable sort): the seed's worked
 example number for number, the edge cases (experts == ep, zero tokens, ranks that send or
 receive nothing, zero-token experts) and random gathered counts against a naive reference, with
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fsdpturbo.dispatch.pipeline import Receive
+from fsdpturbo.moe.dispatch.pipeline import Receive
 
 
 def _naive(gathered, rank, local):

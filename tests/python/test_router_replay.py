@@ -1,4 +1,4 @@
-"""Routes that stay put (`fsdpturbo.router_replay`), on 2 gloo ranks with ep 2: under
+"""Routes that stay put (`fsdpturbo.moe.router_replay`), on 2 gloo ranks with ep 2: under
 non-reentrant activation checkpointing the recomputed forward takes the first forward's routes
 even when the recomputed router would pick others (simulated), and the gradients equal the run
 without checkpointing bitwise; without the replay the same run fails or drifts. Routes recorded
@@ -20,8 +20,8 @@ def _sharded(family, world):
 
 
 def _routers(model):
-    """{router name: its state}: the router in the state of every EP module (fsdpturbo.ep_state)."""
-    from fsdpturbo.ep_state import ep_modules, state
+    """{router name: its state}: the router in the state of every EP module (fsdpturbo.moe.ep_state)."""
+    from fsdpturbo.moe.ep_state import ep_modules, state
 
     routers = {state(m).router.name: state(m).router for _, m in ep_modules(model)}
     assert all(dict(model.named_modules())[name] is router.module for name, router in routers.items())
@@ -31,7 +31,7 @@ def _routers(model):
 def _flip_when_recomputed(model):
     """Makes every router pick other experts whenever it runs inside backward (a recomputation),
     as nondeterministic kernels or a near tie could."""
-    from fsdpturbo.recompute import in_recomputation
+    from fsdpturbo.moe.recompute import in_recomputation
 
     for router in _routers(model).values():
         original = router.original
@@ -118,7 +118,7 @@ def test_recorded_routes_are_replayed():
 def test_recomputed_scores_are_the_routers_own(family, dtype):
     """The scores the replay computes for the router's own ids are bitwise what the Hugging Face
     router returns."""
-    from fsdpturbo.router_replay import _scores
+    from fsdpturbo.moe.router_replay import _scores
 
     router = build_model(family).to(dtype).model.layers[0].mlp.gate
     torch.nn.init.normal_(router.weight)

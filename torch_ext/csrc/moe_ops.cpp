@@ -1,6 +1,6 @@
 // Kernels of the MoE ops: routing metadata (Rust counting sort), row permute/unpermute and the
 // experts' grouped matmul with its two backward GEMMs, all on the Rust host kernels. Their fake
-// (meta) kernels are in Python (fsdpturbo/moe_ops.py), where symbolic shapes are natural.
+// (meta) kernels are in Python (fsdpturbo/moe/ops.py), where symbolic shapes are natural.
 #include <tuple>
 #include <vector>
 

@@ -15,7 +15,7 @@ A PEFT model (verl's LoRA path hands over `get_peft_model`'s) is transformed as 
 does it: the plan's module and parameter names are those of the model inside it
 (`get_base_model()`: `model.layers.{*}.mlp.experts`), and a name written with PEFT's prefix
 `base_model.model.` names the same module; with ep > 1 the adapters on the experts
-(`target_parameters`) move onto the expert modules (`fsdpturbo.expert_lora`), and the PEFT
+(`target_parameters`) move onto the expert modules (`fsdpturbo.moe.expert_lora`), and the PEFT
 model's `save_pretrained` and `load_state_dict` are guarded (`fsdpturbo.adapters.guard_taken_over`).
 `.model` stays the PEFT model, the root of the outer FSDP2.
 
@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpturbo import adapters, expert_lora
+from fsdpturbo import adapters
 from fsdpturbo.efsdp import expert_fully_shard_modules, mixed_precision_policy
 from fsdpturbo.engine import reduce_replicated_gradients
 from fsdpturbo.ep import expert_parallelize_modules
+from fsdpturbo.moe import expert_lora
 from fsdpturbo.patch import apply_module_patch
 from fsdpturbo.pattern import Pattern
 from fsdpturbo.ulysses import apply_cp_plan

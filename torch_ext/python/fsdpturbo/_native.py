@@ -55,7 +55,7 @@ def wheel_library_dirs():
 
 lib.fsdpturbo_add_library_dirs(*c_strings(wheel_library_dirs()))
 torch.ops.load_library(str(TORCH_LIB_PATH))
-ops = torch.ops.fsdpturbo  # autograd and fakes: fsdpturbo.moe_ops.register(), called by the package
+ops = torch.ops.fsdpturbo  # autograd and fakes: fsdpturbo.moe.ops.register(), called by the package
 
 # Status codes (enum fsdpturbo_status_t), by their names without FSDPTURBO_ERR_.
 OK = _abi.FSDPTURBO_OK

@@ -1,5 +1,5 @@
 """PEFT adapters in and out of a sharded PEFT model (`shard_model`'s, the LlamaFactory engine's;
-adapters on the experts per fsdpturbo.expert_lora), at any layout:
+adapters on the experts per fsdpturbo.moe.expert_lora), at any layout:
 
 * `save_lora_adapter`: every rank's shards gathered into a standard PEFT adapter directory
   (adapter_config.json + adapter_model.safetensors: PEFT's names and shapes, written by PEFT's
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import expert_lora
+from .moe import expert_lora
 from .placement import copy_weights_, gather_full
 from .weights import check_files, full_state_dict, meta_parameters
 

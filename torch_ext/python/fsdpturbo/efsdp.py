@@ -11,7 +11,7 @@ that holds a replica or a shard of the parameter, divided by one factor F:
   (edp, efsdp, ep, expert_cp): edp and expert_cp, the ep dim shards them; for the outer FSDP2
   over dp, which also owns the router and shared expert: cp), and FSDP2 divides by F.
 * With expert parallelism alone (efsdp = 1, LlamaFactory calls no EFSDP) the EP forward's
-  backward does the same for the expert weights (`fsdpturbo.dispatch.experts.expert_weight`).
+  backward does the same for the expert weights (`fsdpturbo.moe.dispatch.experts.expert_weight`).
 * F defaults to the world size (the plan's `gradient_divide_factor`): each rank's loss is the
   mean over its own equal share of the global batch, so the mean over the global batch is the
   sum over ranks divided by W. With Ulysses context parallelism (LlamaFactory's, verl's) each
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ep_state import ep_modules, state
+from .moe.ep_state import ep_modules, state
 from .pattern import Pattern, match_modules
 
 logger = logging.getLogger(__name__)

@@ -12,16 +12,17 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import adapters, balance, expert_bias, expert_lora
+from . import adapters
 from .checkpoint import checkpoint_fingerprint as dcp_fingerprint, load_model_weights
 from .config import TrainConfig
 from ._dist import rank
 from .consistency import check_same_on_every_rank, collective_step, model_structure
 from .efsdp import (FSDPPlanConfig, configure_gradient_reduction, expert_fully_shard_modules,
                     mixed_precision_policy, replica_groups)
-from .dispatch import Capacity
 from .ep import EPPlanConfig, expert_parallelize_modules
 from .layers import decoder_layers
+from .moe import balance, expert_bias, expert_lora
+from .moe.dispatch import Capacity
 from .norm import warmup_grad_norm
 from .plan import resolve_plan
 from .spec import FSDPTurboEPModelSpec
@@ -63,7 +64,7 @@ def _apply_expert_sharding(model, config, topology, ep_mesh, efsdp_mesh, *, efsd
     `ep_mesh`) and `fully_shard` (EFSDP over `efsdp_mesh`: the plan's units; at efsdp = 1 the
     expert modules alone, so that their gradients are reduced by FSDP2, unless
     `efsdp_of_size_one` is False, as LlamaFactory does, leaving the reduction to expert
-    parallelism). PEFT's wrappers of expert weights are taken over first (`fsdpturbo.expert_lora`).
+    parallelism). PEFT's wrappers of expert weights are taken over first (`fsdpturbo.moe.expert_lora`).
     Returns (model, plan, the parameters the outer FSDP2 ignores)."""
     dist_config = config.values["dist"]
     spec = FSDPTurboEPModelSpec.get(model)
@@ -240,7 +241,7 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
        training checkpoint of `fsdpturbo.save_checkpoint` or LlamaFactory, saved at any layout);
     6. the grad-norm warm-up.
 
-    Load balancing (`fsdpturbo.balance`, `fsdpturbo.expert_bias`): a Qwen3-MoE / Qwen3.5-MoE
+    Load balancing (`fsdpturbo.moe.balance`, `fsdpturbo.moe.expert_bias`): a Qwen3-MoE / Qwen3.5-MoE
     model computes its aux loss as `dist_config.aux_loss_scope` says (default: over the global
     batch) and adds the router z-loss when `router_z_loss_coef` > 0; with
     `expert_bias_update_rate` (ep > 1) every EP router gets an expert bias for top-k selection,
@@ -252,7 +253,7 @@ def shard_model(model, train_config, *, weights=None, state=None, device=None):
 
     A PEFT model is sharded through the model inside it and returned as itself; with ep > 1 its
     LoRA adapters on the experts (`target_parameters`) move onto the expert modules first
-    (`fsdpturbo.expert_lora`).
+    (`fsdpturbo.moe.expert_lora`).
 
     Collective: every rank calls it with the same arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy

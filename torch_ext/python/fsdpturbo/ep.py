@@ -1,6 +1,6 @@
 """Expert parallelism: `expert_parallelize_modules(model, ep_mesh, plan)`, the module surgery
 (expert weights sharded over the ep mesh, their gradient reduction, the dispatcher's forward
-installed); the token dispatchers themselves are fsdpturbo.dispatch.
+installed); the token dispatchers themselves are fsdpturbo.moe.dispatch.
 """
 import dataclasses
 from typing import Callable, List, Optional, Union
@@ -8,12 +8,12 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from . import dispatch, ep_state, expert_lora, router_replay
 from .consistency import check_same_on_every_rank, model_structure
-from .dispatch import get_dispatcher_fn  # also imported from here by fsdp_turbo (the seed's path)
-from .dispatch.experts import GradientReduction
 from .efsdp import gradient_divide_factor, replica_groups
 from .layers import decoder_layers
+from .moe import dispatch, ep_state, expert_lora, router_replay
+from .moe.dispatch import get_dispatcher_fn  # also imported from here by fsdp_turbo (the seed's path)
+from .moe.dispatch.experts import GradientReduction
 from .pattern import match_modules
 
 
@@ -46,9 +46,9 @@ def distribute_expert_weights(module, ep_mesh):
 def expert_parallelize_modules(model, ep_mesh, plan):
     """Applies expert parallelism to every module matched by `plan.apply_modules` (seed §4.1):
     expert weights become `Shard(0)` DTensors on `ep_mesh`, the module gets its state
-    (`fsdpturbo.ep_state`) with the seed's `num_global_experts`, `num_local_experts`,
+    (`fsdpturbo.moe.ep_state`) with the seed's `num_global_experts`, `num_local_experts`,
     `local_expert_indices` and `expert_ids_per_ep_rank` as read-only views, and its forward is
-    replaced by the dispatcher's (`fsdpturbo.dispatch.install`). Returns `model`.
+    replaced by the dispatcher's (`fsdpturbo.moe.dispatch.install`). Returns `model`.
 
     Gradients are right with expert parallelism alone (the seed leaves them unreduced, so with
     efsdp = 1 they are dp× too large): each backward sums an expert weight's gradient over the
@@ -57,11 +57,11 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     `expert_fully_shard_modules`, when it follows, takes that over (no double reduction).
 
     The routers beside the expert modules (Qwen3 / Qwen3.5 MoE) record their routes for
-    activation checkpointing and `fsdpturbo.router_replay` (the recomputation takes the first
+    activation checkpointing and `fsdpturbo.moe.router_replay` (the recomputation takes the first
     forward's routes).
 
     PEFT's wrappers of expert weights (LoRA with `target_parameters`) are taken over first
-    (`fsdpturbo.expert_lora.take_over`): each expert's adapter is sharded with the expert, and
+    (`fsdpturbo.moe.expert_lora.take_over`): each expert's adapter is sharded with the expert, and
     the dispatcher applies it on the routed rows."""
     dispatch.check_implemented(plan.dispatcher)
     dispatcher = getattr(plan.dispatcher, "__qualname__", plan.dispatcher)

@@ -2,7 +2,7 @@
 
 Every dispatcher counts each rank's rows per expert before its all-to-all (the counts the
 split sizes come from). `record` adds this rank's counts into the module's tally on the device
-(`fsdpturbo.ep_state.Tally`) — no host sync, no collective — and skips the forward that
+(`fsdpturbo.moe.ep_state.Tally`) — no host sync, no collective — and skips the forward that
 activation checkpointing re-runs inside backward, so a recomputed layer is not counted twice.
 The one tally serves two readers, each summing what it reads over every rank in one all-reduce
 (`reduce_tallies`) and resetting it: `expert_load`, the tokens routed to each expert over the

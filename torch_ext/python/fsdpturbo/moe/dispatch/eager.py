@@ -1,4 +1,4 @@
-"""The eager and domino dispatchers: torch reference ops (fsdpturbo.dispatch.kernels.TORCH), the
+"""The eager and domino dispatchers: torch reference ops (fsdpturbo.moe.dispatch.kernels.TORCH), the
 all-to-all through c10d with autograd, the experts' per-expert loop. Domino is eager on two
 slices of the tokens: the second slice's dispatch all-to-all is in flight (async c10d work:
 functional collectives wait only when their result is used) while the first slice's experts

@@ -1,11 +1,11 @@
 """Autograd and fake (meta) registrations of the MoE ops of the op library: routing,
 permute/unpermute (by rows, and the seed's token contract by expert ids), the experts'
 grouped matmul and the MC2 operators (all-to-all-v fused with a grouped matmul)
-(`torch.ops.fsdpturbo.*`). `register()` installs them once; the package's `__init__` calls it
+(`torch.ops.fsdpturbo.*`). `register()` installs them once; fsdpturbo's `__init__` calls it
 right after loading the op library (fsdpturbo._native)."""
 import torch
 
-from ._native import ops
+from .._native import ops
 
 
 def _permute_setup(ctx, inputs, output):
@@ -90,7 +90,7 @@ def _grouped_mm_backward(ctx, grad):
     return grad_x, None, grad_w
 
 
-# The MC2 operators (fsdpturbo.dispatch.mc2): the data gradient of each is the mirrored fused
+# The MC2 operators (fsdpturbo.moe.dispatch.mc2): the data gradient of each is the mirrored fused
 # operator with the counts swapped and the weight untransposed; the weight gradient a grouped
 # matmul split along K with the per-local-expert totals.
 

@@ -11,9 +11,9 @@ and put them back in source order themselves; the weighted combine is `aclnnMoeT
 Backward mirrors it: the data gradient is the mirrored fused operator with the counts swapped
 and the weight untransposed, the weight gradient a grouped matmul split along K
 (`fsdpturbo::grouped_mm_grad_weight`) with the per-local-expert totals, using the permuted rows
-the first operator returns (permuteOutFlag); both are registered in fsdpturbo.moe_ops.
+the first operator returns (permuteOutFlag); both are registered in fsdpturbo.moe.ops.
 
-In the common pipeline (fsdpturbo.dispatch.pipeline) the rows leave inside the first operator
+In the common pipeline (fsdpturbo.moe.dispatch.pipeline) the rows leave inside the first operator
 and come back inside the second: mc2's dispatch is the permute alone, its expert compute both
 fused operators, its combine the unpermute alone.
 
@@ -25,8 +25,8 @@ import ctypes
 import torch
 import torch.distributed as dist
 
-from .. import _abi
-from .._native import check, lib, ops
+from ... import _abi
+from ..._native import check, lib, ops
 from . import device, experts
 from .fused import TokenPermuteStrategy
 from .pipeline import run

@@ -1,7 +1,8 @@
-"""libfsdpturbo's own collectives (`fsdpturbo_comm_t`): how Python lends a torch.distributed
-process group to the Rust core (host callbacks over CPU memory), NCCL communicators made
-through the library's run-time loader, and the grad norm of host buffers over them (the path a
-C++ trainer takes, here reachable from Python for tests and tools).
+"""The tests' binding of libfsdpturbo's own collectives (`fsdpturbo_comm_t`): how Python lends a
+torch.distributed process group to the Rust core (host callbacks over CPU memory), NCCL
+communicators made through the library's run-time loader, and the grad norm of host buffers over
+them (the path a C++ trainer takes, here reachable from Python for test_cuda_backend and
+test_cuda_ops). It lives with the tests: nothing in the package, benches or examples uses it.
 """
 import ctypes
 import itertools
@@ -10,8 +11,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import _abi
-from ._native import check, lib
+from fsdpturbo import _abi
+from fsdpturbo._native import check, lib
 
 __all__ = ["Comm", "host_comm", "single_rank_comm", "nccl_comm", "nccl_comm_for_group", "nccl_version",
            "nccl_unique_id", "clip_grad_norm_host"]

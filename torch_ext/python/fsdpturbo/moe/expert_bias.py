@@ -10,7 +10,7 @@ recorded (biased) ids as it does any other.
 
 Each training forward (grad enabled, not the recomputation activation checkpointing runs in
 backward) counts the ids it took in its EP module's tally on the device (the tally
-`fsdpturbo.expert_load` reads too: `fsdpturbo.expert_stats`). `update_expert_bias(model)`,
+`fsdpturbo.expert_load` reads too: `fsdpturbo.moe.expert_stats`). `update_expert_bias(model)`,
 called once per optimizer step, sums the training forwards' counts over every rank in one
 all-reduce (the global tokens per expert of the step: all ranks, all micro-batches), moves each
 bias by

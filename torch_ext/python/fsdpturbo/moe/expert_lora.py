@@ -19,7 +19,7 @@ and efsdp with the weight itself):
     {weight}_lora_up   [E, out, r]  up[e, o, k]   = lora_A[e·r + k, o]
 
 so ΔW_e = up_e · down_e, and the experts compute x·W_eᵀ + s·(x·down_eᵀ)·up_eᵀ on their routed
-rows (`fsdpturbo.dispatch.experts.ExpertProjection`: rank-r matmuls, never a merged copy of
+rows (`fsdpturbo.moe.dispatch.experts.ExpertProjection`: rank-r matmuls, never a merged copy of
 W). A weightless child module `lora` (`ExpertLoRA`, a PEFT tuner layer, so PEFT's
 `disable_adapter()` switches it) keeps each adapter's rank, scaling and place in PEFT's names.
 `peft_names` maps the module's parameters to the names and layout of the PEFT model it came

@@ -2,7 +2,7 @@
 NPU and whether the NPU kernels' test double is switched on."""
 import torch
 
-from .._native import ops
+from ..._native import ops
 
 _TEST_DOUBLE = False
 

@@ -1,5 +1,5 @@
 """The fused dispatcher: routing, permutes and the experts' grouped GEMMs in the op library
-(`torch.ops.fsdpturbo`, fsdpturbo.dispatch.kernels.OP_LIBRARY: host kernels on CPU;
+(`torch.ops.fsdpturbo`, fsdpturbo.moe.dispatch.kernels.OP_LIBRARY: host kernels on CPU;
 NVRTC-compiled kernels and cuBLAS / `torch._grouped_mm` on CUDA), or on Ascend NPUs (and their
 test double) the aclnn token permute/unpermute and grouped matmul (seed §5.2, NPU column)."""
 import dataclasses
@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._native import ops
+from ..._native import ops
 from ..ep_state import state
 from . import device, experts
 from .kernels import OP_LIBRARY

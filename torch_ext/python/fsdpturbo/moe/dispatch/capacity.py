@@ -130,7 +130,7 @@ class SlotRoute:
 
 class CapacityStrategy(Strategy):
     """The capacity-bounded mode of the dispatch pipeline: at most `capacity` rows per expert
-    from each rank, with a dispatcher's expert `kernels` (fsdpturbo.dispatch.kernels)."""
+    from each rank, with a dispatcher's expert `kernels` (fsdpturbo.moe.dispatch.kernels)."""
 
     static_shapes = True
 

@@ -2,7 +2,7 @@
 per-expert matmuls (the seed's `experts_computation`) or as two grouped matmuls (the op
 library's `grouped_mm`), and the expert weights as the forward uses them (local slices whose
 backward reduces the gradient while expert parallelism alone owns it), each with its LoRA
-adapter when it has one (fsdpturbo.expert_lora)."""
+adapter when it has one (fsdpturbo.moe.expert_lora)."""
 import dataclasses
 import functools
 from typing import Optional
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .. import expert_lora
-from .._native import ops
+from ..._native import ops
 from ..ep_state import state
 
 

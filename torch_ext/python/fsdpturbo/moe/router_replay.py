@@ -12,11 +12,11 @@ passes of a checkpointed layer pay one softmax and gather over [tokens, E] more 
 `record_routes(model)` / `replay_routes(model, routes)` expose the same for RL trainers: record
 the routes a forward took (e.g. at rollout) and make a later forward take them.
 
-With an expert bias (`fsdpturbo.expert_bias`) the router's own ids are its biased selection, and
+With an expert bias (`fsdpturbo.moe.expert_bias`) the router's own ids are its biased selection, and
 the ids a training forward takes (recorded, replayed or its own) go to the experts, whose
 counts the bias update reads.
 
-A router's state is part of its EP module's (`fsdpturbo.ep_state.RouterState`).
+A router's state is part of its EP module's (`fsdpturbo.moe.ep_state.RouterState`).
 """
 import collections
 import contextlib
@@ -64,7 +64,7 @@ def _taken(router, logits, scores, indices, taken):
 
 
 def _own_routes(routes, hidden_states):
-    """The router's result; with an expert bias (`fsdpturbo.expert_bias`) its top-k is taken
+    """The router's result; with an expert bias (`fsdpturbo.moe.expert_bias`) its top-k is taken
     over the biased probabilities and the scores are its own of those ids."""
     logits, scores, indices = routes.original(hidden_states)
     bias = expert_bias.bias_of(routes)

@@ -1,10 +1,10 @@
 """The token dispatchers of expert parallelism, by name: eager, fused, mc2 and domino, each a
-strategy in one common pipeline (fsdpturbo.dispatch.pipeline: prepare → counts → route →
+strategy in one common pipeline (fsdpturbo.moe.dispatch.pipeline: prepare → counts → route →
 dispatch → expert compute → combine), eager and fused also in its capacity-bounded,
-static-shape mode (fsdpturbo.dispatch.capacity); the expert compute in
-fsdpturbo.dispatch.experts, the kernels it runs with (torch's or the op library's) in
-fsdpturbo.dispatch.kernels, and where kernels run (NPU, test double) in
-fsdpturbo.dispatch.device.
+static-shape mode (fsdpturbo.moe.dispatch.capacity); the expert compute in
+fsdpturbo.moe.dispatch.experts, the kernels it runs with (torch's or the op library's) in
+fsdpturbo.moe.dispatch.kernels, and where kernels run (NPU, test double) in
+fsdpturbo.moe.dispatch.device.
 
 The seed's contract, with docs/design.md §4 fixes: expert ids
 outside [0, E) are an error on every rank (no rank hangs), experts == ep works, and split
@@ -26,7 +26,7 @@ class Dispatcher:
     """A named dispatcher: `forward(module, hidden_states, top_k_index, top_k_weights, *,
     ep_group, fixed_router)`, `check(ep_group)`, what rules it out when it is bound (the host,
     the group size), the expert kernels of its capacity-bounded mode (None: it has none), and
-    whether its expert compute applies LoRA adapters (fsdpturbo.expert_lora)."""
+    whether its expert compute applies LoRA adapters (fsdpturbo.moe.expert_lora)."""
     name: str
     forward: Callable
     check: Optional[Callable] = None
@@ -112,7 +112,7 @@ def get_dispatcher_fn(dispatcher, ep_group, fixed_router=False, capacity=None):
 
 def moe_forward(self, hidden_states, top_k_index, top_k_weights):
     """The forward of an expert module under expert parallelism: the bound dispatcher of its
-    state (`fsdpturbo.ep_state`). A plain function bound with `types.MethodType`, so
+    state (`fsdpturbo.moe.ep_state`). A plain function bound with `types.MethodType`, so
     torch.compile traces it."""
     return state(self).dispatcher(self, hidden_states, top_k_index, top_k_weights)
 

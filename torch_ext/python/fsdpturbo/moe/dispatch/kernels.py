@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from .._native import ops
+from ..._native import ops
 from . import experts
 
 

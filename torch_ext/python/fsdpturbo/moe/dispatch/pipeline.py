@@ -6,15 +6,15 @@
 ways:
 
 * dropless: count each slice's rows per global expert and all-gather the counts over the EP
-  group (this rank's counts go to `fsdpturbo.expert_stats`); the gathered counts are read on the
+  group (this rank's counts go to `fsdpturbo.moe.expert_stats`); the gathered counts are read on the
   host once (ids outside [0, E) then fail on every rank: no rank hangs) and give each slice's
   split sizes (a `Receive`: on the host before any all-to-all, docs/design.md §4.5);
-* static shapes (the capacity-bounded mode, fsdpturbo.dispatch.capacity): the strategy sizes
+* static shapes (the capacity-bounded mode, fsdpturbo.moe.dispatch.capacity): the strategy sizes
   the exchange itself from a fixed number of rows per expert, reading no count on the host.
 
 A `Strategy` then turns the sizes into routing metadata (`route`), sends the rows to their
 experts' ranks (`dispatch`), regroups them by local expert around the expert compute
-(`compute`, with the dispatcher's expert kernels, fsdpturbo.dispatch.kernels) and brings them
+(`compute`, with the dispatcher's expert kernels, fsdpturbo.moe.dispatch.kernels) and brings them
 back, weighted by the router (`combine`). A dispatcher is a strategy and a number of slices:
 with two (domino) every slice's dispatch is issued before the first slice's experts run, so the
 second all-to-all is in flight meanwhile.
@@ -201,7 +201,7 @@ class SortedRoute:
 class SortedStrategy(Strategy):
     """The dropless eager, domino and fused strategies: rows sent sorted by expert id, received
     rows regrouped by local expert around the experts, all with the strategy's expert
-    `kernels` (fsdpturbo.dispatch.kernels); `route` makes a `SortedRoute`."""
+    `kernels` (fsdpturbo.moe.dispatch.kernels); `route` makes a `SortedRoute`."""
 
     kernels = None
 

@@ -23,7 +23,7 @@ _ROUTER_ATTRIBUTE = "_fsdpturbo_router"
 
 @dataclasses.dataclass
 class Tally:
-    """The routes an EP module counted (`fsdpturbo.expert_stats.record`): one int64 tensor
+    """The routes an EP module counted (`fsdpturbo.moe.expert_stats.record`): one int64 tensor
     [3, E] on the device, made at the first count, a row per window: every forward's (`routed`)
     and the slots the capacity-bounded dispatch dropped of them (`dropped`), read by
     `expert_load`; the training forwards' (grad enabled: `trained`), read by
@@ -39,9 +39,9 @@ class Tally:
 @dataclasses.dataclass
 class RouterState:
     """The router beside an EP module (`<block>.gate`, Qwen3 / Qwen3.5 MoE), whose routes stay
-    put (fsdpturbo.router_replay): its own forward, the decoder layer activation checkpointing
+    put (fsdpturbo.moe.router_replay): its own forward, the decoder layer activation checkpointing
     wraps, the ids awaiting recomputation, what `record_routes` / `replay_routes` record and
-    replay, and the expert-bias update rate (fsdpturbo.expert_bias; None: no bias)."""
+    replay, and the expert-bias update rate (fsdpturbo.moe.expert_bias; None: no bias)."""
     module: torch.nn.Module
     name: str
     original: Callable
@@ -62,7 +62,7 @@ class EPModuleState:
     bound dispatcher its forward runs, what the backward does to its weights' gradients while
     expert parallelism alone owns them (None once EFSDP does), its tally of routes, its router
     when it has one, and its LoRA adapters when it has them (its `ExpertLoRA` child,
-    fsdpturbo.expert_lora)."""
+    fsdpturbo.moe.expert_lora)."""
     name: str
     num_global_experts: int
     num_local_experts: int

@@ -9,7 +9,7 @@ use fsdpturbo::backend::ascend::acl::{ACL_INT64, Acl};
 use fsdpturbo::backend::ascend::aclnn::{Aclnn, View};
 use fsdpturbo::backend::ascend::hccl::Hccl;
 use fsdpturbo::comm::hccl::{HcclCollective, root_info};
-use fsdpturbo::comm::{AllToAllV, Buffers, Collective, Exchange, ReduceOp};
+use fsdpturbo::comm::{AllToAllV, Buffers, Collective, CollectiveOp, ReduceOp};
 use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
@@ -85,26 +85,26 @@ fn hccl_collectives_among_three_ranks() {
                     let mut gathered = [0i64; 6];
                     let blocks: Vec<f64> = (0..3).map(|b| (10 * rank + b) as f64).collect();
                     let mut scattered = [0f64; 1];
-                    let exchanges = [
+                    let ops = [
                         (
-                            Exchange::AllReduce(ReduceOp::Sum),
+                            CollectiveOp::AllReduce(ReduceOp::Sum),
                             buffers(send.as_ptr().cast(), sum.as_mut_ptr().cast(), 2, Dtype::F32),
                         ),
                         (
-                            Exchange::AllReduce(ReduceOp::Max),
+                            CollectiveOp::AllReduce(ReduceOp::Max),
                             buffers(send.as_ptr().cast(), max.as_mut_ptr().cast(), 2, Dtype::F32),
                         ),
                         (
-                            Exchange::AllGather,
+                            CollectiveOp::AllGather,
                             buffers(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::I64),
                         ),
                         (
-                            Exchange::ReduceScatter(ReduceOp::Sum),
+                            CollectiveOp::ReduceScatter(ReduceOp::Sum),
                             buffers(blocks.as_ptr().cast(), scattered.as_mut_ptr().cast(), 1, Dtype::F64),
                         ),
                     ];
-                    for (exchange, b) in exchanges {
-                        unsafe { comm.exchange(exchange, b) }.unwrap();
+                    for (op, b) in ops {
+                        unsafe { comm.run(op, b) }.unwrap();
                     }
                     // Rank s sends (s + d) % 3 elements to rank d (zero included); values 100s + i.
                     let send_counts: Vec<usize> = (0..3).map(|d| (rank + d) % 3).collect();

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use fsdpturbo::backend::{LibrarySpec, add_search_dirs, load};
 use fsdpturbo::comm::host::HostCallbacks;
-use fsdpturbo::comm::{AllToAllV, Buffers, Collective, Exchange, ReduceOp, SingleRank, Stream};
+use fsdpturbo::comm::{AllToAllV, Buffers, Collective, CollectiveOp, ReduceOp, SingleRank, Stream};
 use fsdpturbo::dtype::Dtype;
 use fsdpturbo::error::ErrorKind;
 
@@ -87,8 +87,8 @@ fn single_rank_collectives_copy() {
     let send = [1.0f32, 2.0, 3.0, 4.0];
     let mut recv = [0.0f32; 4];
     unsafe {
-        one.exchange(
-            Exchange::AllReduce(ReduceOp::Sum),
+        one.run(
+            CollectiveOp::AllReduce(ReduceOp::Sum),
             host(send.as_ptr().cast(), recv.as_mut_ptr().cast(), 4, Dtype::F32),
         )
     }
@@ -120,8 +120,8 @@ fn single_rank_collectives_copy() {
     assert_eq!(AllToAllV::packed(vec![3, 0, 2], vec![1, 1, 1]).send_displs, vec![0, 3, 3]);
     let mut gathered = [0.0f32; 4];
     unsafe {
-        one.exchange(
-            Exchange::AllGather,
+        one.run(
+            CollectiveOp::AllGather,
             host(send.as_ptr().cast(), gathered.as_mut_ptr().cast(), 4, Dtype::F32),
         )
     }
@@ -129,8 +129,8 @@ fn single_rank_collectives_copy() {
     assert_eq!(gathered, send);
     let mut scattered = [0.0f32; 4];
     unsafe {
-        one.exchange(
-            Exchange::ReduceScatter(ReduceOp::Min),
+        one.run(
+            CollectiveOp::ReduceScatter(ReduceOp::Min),
             host(send.as_ptr().cast(), scattered.as_mut_ptr().cast(), 4, Dtype::F32),
         )
     }
@@ -176,8 +176,8 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
     let mine = [1.0f64, 2.0];
     let mut gathered = [0.0f64; 4];
     unsafe {
-        comm.exchange(
-            Exchange::AllGather,
+        comm.run(
+            CollectiveOp::AllGather,
             host(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64),
         )
     }
@@ -186,8 +186,8 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
     let blocks = [9.0f64, 9.0, 1.0, 2.0];
     let mut out = [0.0f64; 2];
     unsafe {
-        comm.exchange(
-            Exchange::ReduceScatter(ReduceOp::Sum),
+        comm.run(
+            CollectiveOp::ReduceScatter(ReduceOp::Sum),
             host(blocks.as_ptr().cast(), out.as_mut_ptr().cast(), 2, Dtype::F64),
         )
     }
@@ -199,8 +199,8 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
 
     let bare = host_rank_one(false);
     let err = unsafe {
-        bare.exchange(
-            Exchange::AllGather,
+        bare.run(
+            CollectiveOp::AllGather,
             host(mine.as_ptr().cast(), gathered.as_mut_ptr().cast(), 2, Dtype::F64),
         )
     }
@@ -212,8 +212,8 @@ fn host_callbacks_gather_scatter_and_name_what_is_missing() {
          was NULL when it was made); pass one to fsdpturbo_comm_host_new to use all_gather"
     );
     let err = unsafe {
-        bare.exchange(
-            Exchange::ReduceScatter(ReduceOp::Sum),
+        bare.run(
+            CollectiveOp::ReduceScatter(ReduceOp::Sum),
             host(blocks.as_ptr().cast(), out.as_mut_ptr().cast(), 2, Dtype::F64),
         )
     }

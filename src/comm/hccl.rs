@@ -4,7 +4,7 @@
 
 use std::ffi::{CStr, c_void};
 
-use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
+use super::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, Stream};
 use crate::backend::ascend::hccl::{
     HCCL_COMM_NAME_BYTES, HCCL_ROOT_INFO_BYTES, Hccl, HcclComm, HcclRootInfo, dtype, reduce,
 };
@@ -107,21 +107,21 @@ impl Collective for HcclCollective {
         self.world_size
     }
 
-    unsafe fn exchange(&self, exchange: Exchange, b: Buffers) -> Result<()> {
+    unsafe fn run(&self, op: CollectiveOp, b: Buffers) -> Result<()> {
         let (send, count, t, comm, stream) =
             (b.send.cast_mut(), b.count as u64, hccl_dtype(b.dtype), self.comm, b.stream.0);
         // SAFETY: the caller's buffers and stream.
         let (code, call) = unsafe {
-            match exchange {
-                Exchange::AllReduce(op) => (
-                    (self.api.all_reduce)(send, b.recv, count, t, hccl_op(op), comm, stream),
+            match op {
+                CollectiveOp::AllReduce(reduce) => (
+                    (self.api.all_reduce)(send, b.recv, count, t, hccl_op(reduce), comm, stream),
                     "HcclAllReduce",
                 ),
-                Exchange::AllGather => {
+                CollectiveOp::AllGather => {
                     ((self.api.all_gather)(send, b.recv, count, t, comm, stream), "HcclAllGather")
                 }
-                Exchange::ReduceScatter(op) => (
-                    (self.api.reduce_scatter)(send, b.recv, count, t, hccl_op(op), comm, stream),
+                CollectiveOp::ReduceScatter(reduce) => (
+                    (self.api.reduce_scatter)(send, b.recv, count, t, hccl_op(reduce), comm, stream),
                     "HcclReduceScatter",
                 ),
             }

@@ -5,10 +5,10 @@
 
 use std::ffi::c_void;
 
-use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
+use super::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, Stream};
 use crate::error::{Error, ErrorKind, Result};
 
-/// `(send, recv, count, dtype, op)`: an all-reduce or a reduce-scatter (see [`Exchange`]).
+/// `(send, recv, count, dtype, op)`: an all-reduce or a reduce-scatter (see [`CollectiveOp`]).
 /// Returns 0 on success, else the embedder's status.
 pub type ReduceFn = Box<dyn Fn(*const c_void, *mut c_void, usize, Dtype, ReduceOp) -> i32 + Send + Sync>;
 /// `(send, recv, count, dtype)`: an all-gather.
@@ -74,18 +74,18 @@ impl Collective for HostCallbacks {
         self.world_size
     }
 
-    unsafe fn exchange(&self, exchange: Exchange, b: Buffers) -> Result<()> {
-        let (status, what) = match exchange {
-            Exchange::AllReduce(op) => {
-                ((self.all_reduce)(b.send, b.recv, b.count, b.dtype, op), "all_reduce")
+    unsafe fn run(&self, op: CollectiveOp, b: Buffers) -> Result<()> {
+        let (status, what) = match op {
+            CollectiveOp::AllReduce(reduce) => {
+                ((self.all_reduce)(b.send, b.recv, b.count, b.dtype, reduce), "all_reduce")
             }
-            Exchange::AllGather => {
+            CollectiveOp::AllGather => {
                 let f = self.all_gather.as_ref().ok_or_else(|| self.missing("all_gather"))?;
                 (f(b.send, b.recv, b.count, b.dtype), "all_gather")
             }
-            Exchange::ReduceScatter(op) => {
+            CollectiveOp::ReduceScatter(reduce) => {
                 let f = self.reduce_scatter.as_ref().ok_or_else(|| self.missing("reduce_scatter"))?;
-                (f(b.send, b.recv, b.count, b.dtype, op), "reduce_scatter")
+                (f(b.send, b.recv, b.count, b.dtype, reduce), "reduce_scatter")
             }
         };
         self.status(status, what)

@@ -28,7 +28,7 @@ pub enum ReduceOp {
 /// The collectives that move one block of `count` elements per rank between a send and a
 /// receive buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Exchange {
+pub enum CollectiveOp {
     /// `recv[i] = op over ranks of send[i]`; `send` may equal `recv`.
     AllReduce(ReduceOp),
     /// `recv` (`count * world_size` elements) holds every rank's `count` elements, in rank order.
@@ -38,7 +38,7 @@ pub enum Exchange {
     ReduceScatter(ReduceOp),
 }
 
-/// The memory one [`Exchange`] works on: `count` elements of `dtype` per rank, in this
+/// The memory one [`CollectiveOp`] works on: `count` elements of `dtype` per rank, in this
 /// collective's memory (host memory, or device memory ordered on `stream`).
 #[derive(Clone, Copy, Debug)]
 pub struct Buffers {
@@ -55,11 +55,11 @@ pub trait Collective {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
 
-    /// Runs `exchange` over `buffers`.
+    /// Runs `op` over `buffers`.
     ///
     /// # Safety
-    /// `send` and `recv` hold the elements `exchange` reads and writes (see [`Exchange`]).
-    unsafe fn exchange(&self, exchange: Exchange, buffers: Buffers) -> Result<()>;
+    /// `send` and `recv` hold the elements `op` reads and writes (see [`CollectiveOp`]).
+    unsafe fn run(&self, op: CollectiveOp, buffers: Buffers) -> Result<()>;
 
     /// Sends `send_counts[p]` elements at `send_displs[p]` to rank p and receives
     /// `recv_counts[p]` elements at `recv_displs[p]` from rank p. Counts must agree pairwise.
@@ -88,7 +88,7 @@ pub trait Collective {
             stream: Stream::HOST,
         };
         // SAFETY: one f64 of host memory each; this default is for host-memory transports.
-        unsafe { self.exchange(Exchange::AllReduce(op), buffers)? };
+        unsafe { self.run(CollectiveOp::AllReduce(op), buffers)? };
         Ok(out)
     }
 }
@@ -152,8 +152,8 @@ impl Collective for SingleRank {
     fn world_size(&self) -> usize {
         1
     }
-    /// Every exchange of one rank is a copy (none when `send` is `recv`).
-    unsafe fn exchange(&self, _exchange: Exchange, b: Buffers) -> Result<()> {
+    /// Every collective of one rank is a copy (none when `send` is `recv`).
+    unsafe fn run(&self, _op: CollectiveOp, b: Buffers) -> Result<()> {
         unsafe { copy(b.send, b.recv, b.count, b.dtype) };
         Ok(())
     }

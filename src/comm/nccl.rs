@@ -5,7 +5,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, Stream};
+use super::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, Stream};
 use crate::backend::cuda::driver::driver;
 use crate::backend::cuda::nccl::{self, Nccl, NcclComm, NcclUniqueId, nccl};
 use crate::error::{Error, Result};
@@ -18,7 +18,7 @@ pub fn unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES]> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-fn dtype(d: Dtype) -> c_int {
+fn nccl_dtype(d: Dtype) -> c_int {
     match d {
         Dtype::U8 => nccl::NCCL_UINT8,
         Dtype::I32 => nccl::NCCL_INT32,
@@ -30,7 +30,7 @@ fn dtype(d: Dtype) -> c_int {
     }
 }
 
-fn op(o: ReduceOp) -> c_int {
+fn nccl_op(o: ReduceOp) -> c_int {
     match o {
         ReduceOp::Sum => nccl::NCCL_SUM,
         ReduceOp::Prod => nccl::NCCL_PROD,
@@ -107,19 +107,20 @@ impl Collective for NcclCollective {
         self.world_size
     }
 
-    unsafe fn exchange(&self, exchange: Exchange, b: Buffers) -> Result<()> {
-        let (t, comm, stream) = (dtype(b.dtype), self.comm, b.stream.0);
+    unsafe fn run(&self, op: CollectiveOp, b: Buffers) -> Result<()> {
+        let (t, comm, stream) = (nccl_dtype(b.dtype), self.comm, b.stream.0);
         // SAFETY: the caller's device buffers and stream.
         let (status, call) = unsafe {
-            match exchange {
-                Exchange::AllReduce(o) => {
-                    ((self.lib.all_reduce)(b.send, b.recv, b.count, t, op(o), comm, stream), "ncclAllReduce")
-                }
-                Exchange::AllGather => {
+            match op {
+                CollectiveOp::AllReduce(o) => (
+                    (self.lib.all_reduce)(b.send, b.recv, b.count, t, nccl_op(o), comm, stream),
+                    "ncclAllReduce",
+                ),
+                CollectiveOp::AllGather => {
                     ((self.lib.all_gather)(b.send, b.recv, b.count, t, comm, stream), "ncclAllGather")
                 }
-                Exchange::ReduceScatter(o) => (
-                    (self.lib.reduce_scatter)(b.send, b.recv, b.count, t, op(o), comm, stream),
+                CollectiveOp::ReduceScatter(o) => (
+                    (self.lib.reduce_scatter)(b.send, b.recv, b.count, t, nccl_op(o), comm, stream),
                     "ncclReduceScatter",
                 ),
             }
@@ -148,7 +149,7 @@ impl Collective for NcclCollective {
                     let s = (self.lib.send)(
                         at,
                         layout.send_counts[p],
-                        dtype(d),
+                        nccl_dtype(d),
                         self.peer(p),
                         self.comm,
                         stream.0,
@@ -160,7 +161,7 @@ impl Collective for NcclCollective {
                     let s = (self.lib.recv)(
                         at,
                         layout.recv_counts[p],
-                        dtype(d),
+                        nccl_dtype(d),
                         self.peer(p),
                         self.comm,
                         stream.0,
@@ -182,7 +183,7 @@ impl Collective for NcclCollective {
         let at = buf.ptr as *mut c_void;
         let buffers = Buffers { send: at, recv: at, count: 1, dtype: Dtype::F64, stream };
         // SAFETY: one f64 of device memory, ordered on the legacy default stream.
-        unsafe { self.exchange(Exchange::AllReduce(o), buffers)? };
+        unsafe { self.run(CollectiveOp::AllReduce(o), buffers)? };
         let mut bytes = [0u8; 8];
         drv.read_back(&mut bytes, buf.ptr, stream)?;
         Ok(f64::from_ne_bytes(bytes))

@@ -19,7 +19,7 @@ use super::panic::boundary;
 use crate::backend::cuda::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
 use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
-use crate::comm::{AllToAllV, Buffers, Collective, Dtype, Exchange, ReduceOp, SingleRank, Stream};
+use crate::comm::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, SingleRank, Stream};
 
 /// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
@@ -261,11 +261,11 @@ fn group_elems(comm: &fsdpturbo_comm_t, count: usize) -> Result<usize, FfiError>
         .ok_or_else(|| invalid(format!("`count` ({count}) × the group's {world} ranks overflows")))
 }
 
-/// Checks `send` and `recv` for `exchange` (the elements each holds; only an all-reduce may
+/// Checks `send` and `recv` for `op` (the elements each holds; only an all-reduce may
 /// work in place) and runs it on `comm`.
-fn run_exchange(
+fn run_collective(
     comm: *const fsdpturbo_comm_t,
-    exchange: Exchange,
+    op: CollectiveOp,
     send: *const c_void,
     recv: *mut c_void,
     count: usize,
@@ -273,15 +273,15 @@ fn run_exchange(
     stream: *mut c_void,
 ) -> Result<(), FfiError> {
     let comm = arg_ref(comm, "comm")?;
-    let (send_elems, recv_elems) = match exchange {
-        Exchange::AllReduce(_) => (count, count),
-        Exchange::AllGather => (count, group_elems(comm, count)?),
-        Exchange::ReduceScatter(_) => (group_elems(comm, count)?, count),
+    let (send_elems, recv_elems) = match op {
+        CollectiveOp::AllReduce(_) => (count, count),
+        CollectiveOp::AllGather => (count, group_elems(comm, count)?),
+        CollectiveOp::ReduceScatter(_) => (group_elems(comm, count)?, count),
     };
-    check_buffers(send, send_elems, recv, recv_elems, dtype, matches!(exchange, Exchange::AllReduce(_)))?;
+    check_buffers(send, send_elems, recv, recv_elems, dtype, matches!(op, CollectiveOp::AllReduce(_)))?;
     let buffers = Buffers { send, recv, count, dtype, stream: Stream(stream) };
     // SAFETY: the caller's buffers, of the sizes just checked.
-    unsafe { comm.inner.exchange(exchange, buffers) }?;
+    unsafe { comm.inner.run(op, buffers) }?;
     Ok(())
 }
 
@@ -300,7 +300,7 @@ pub extern "C" fn fsdpturbo_comm_all_reduce(
 ) -> i32 {
     boundary(|| {
         let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
-        run_exchange(comm, Exchange::AllReduce(op), send, recv, count, dtype, stream)
+        run_collective(comm, CollectiveOp::AllReduce(op), send, recv, count, dtype, stream)
     })
 }
 
@@ -318,7 +318,7 @@ pub extern "C" fn fsdpturbo_comm_all_gather(
     stream: *mut c_void,
 ) -> i32 {
     boundary(|| {
-        run_exchange(comm, Exchange::AllGather, send, recv, count, dtype_arg(dtype, "dtype")?, stream)
+        run_collective(comm, CollectiveOp::AllGather, send, recv, count, dtype_arg(dtype, "dtype")?, stream)
     })
 }
 
@@ -339,7 +339,7 @@ pub extern "C" fn fsdpturbo_comm_reduce_scatter(
 ) -> i32 {
     boundary(|| {
         let (dtype, op) = (dtype_arg(dtype, "dtype")?, reduce_op(op)?);
-        run_exchange(comm, Exchange::ReduceScatter(op), send, recv, count, dtype, stream)
+        run_collective(comm, CollectiveOp::ReduceScatter(op), send, recv, count, dtype, stream)
     })
 }
 

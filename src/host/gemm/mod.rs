@@ -39,7 +39,9 @@ const MB: usize = 1020;
 
 /// The per-accumulator-type parts of the GEMM: register-tile height and width, columns per
 /// task, the packing of A and B, and the micro-kernel
-/// `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over a full MR × NR tile.
+/// `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over an MR × NR tile of which the first
+/// `cols` columns are wanted (the rest are padding of C's last tile, which a kernel may skip:
+/// a narrow C, such as a LoRA factor's rank-sized side, then costs its own width, not NR).
 trait GemmAcc: Acc {
     const MR: usize;
     const NR: usize;
@@ -81,7 +83,7 @@ trait GemmAcc: Acc {
         isa: Isa,
         tmp: &mut Vec<Self>,
     );
-    fn kernel(isa: Isa, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], ldc: usize);
+    fn kernel(isa: Isa, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], ldc: usize, cols: usize);
 }
 
 /// A strided operand: element (mn, p) (row/column index, depth index) at
@@ -211,8 +213,9 @@ impl GemmAcc for f32 {
         pack_blocks::<T, f32, 32>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
-    fn kernel(isa: Isa, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+    fn kernel(isa: Isa, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize, cols: usize) {
         assert!(a.len() >= kc * 12 && b.len() >= kc * 32 && c.len() >= 11 * ldc + 32 && ldc >= 32);
+        assert!((1..=32).contains(&cols));
         #[cfg(target_arch = "x86_64")]
         match isa {
             Isa::Portable => {}
@@ -220,37 +223,52 @@ impl GemmAcc for f32 {
             // and the lengths checked above cover every access of the kernels.
             #[cfg(fsdpturbo_avx512)]
             Isa::Avx512 => {
-                return unsafe { x86::kernel_f32_avx512(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
+                let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+                return unsafe {
+                    if cols <= 16 {
+                        x86::kernel_f32_avx512::<1>(kc, a, b, c, ldc)
+                    } else {
+                        x86::kernel_f32_avx512::<2>(kc, a, b, c, ldc)
+                    }
+                };
             }
             // AVX2 (a build without the AVX-512 tile never chooses Avx512).
-            _ => return unsafe { x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) },
+            _ => {
+                return unsafe {
+                    x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc, cols)
+                };
+            }
         }
         let _ = isa;
-        portable_kernel::<f32, 12, 32>(kc, a, b, c, ldc)
+        match cols {
+            0..=8 => portable_kernel::<f32, 12, 32, 8>(kc, a, b, c, ldc),
+            9..=16 => portable_kernel::<f32, 12, 32, 16>(kc, a, b, c, ldc),
+            _ => portable_kernel::<f32, 12, 32, 32>(kc, a, b, c, ldc),
+        }
     }
 }
 
-/// The portable micro-kernel (f32 and f64): an MR × NR tile of C += A-panel × B-panel over
-/// `kc` steps, per element the SIMD kernels' operations (a chain of fused multiply-adds from
-/// zero, added to C at the end), so it gives their bits.
+/// The portable micro-kernel (f32 and f64): the first W columns of an MR × NR tile of
+/// C += A-panel × B-panel over `kc` steps, per element the SIMD kernels' operations (a chain of
+/// fused multiply-adds from zero, added to C at the end), so it gives their bits.
 #[inline(always)]
-fn portable_kernel<T: GemmAcc, const MR: usize, const NR: usize>(
+fn portable_kernel<T: GemmAcc, const MR: usize, const NR: usize, const W: usize>(
     kc: usize,
     a: &[T],
     b: &[T],
     c: &mut [T],
     ldc: usize,
 ) {
-    let mut acc = [[T::default(); NR]; MR];
+    let mut acc = [[T::default(); W]; MR];
     for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(kc) {
         for i in 0..MR {
-            for j in 0..NR {
+            for j in 0..W {
                 acc[i][j] = ap[i].fused_mul_add(bp[j], acc[i][j]);
             }
         }
     }
     for (i, row) in acc.iter().enumerate() {
-        for (cv, &v) in c[i * ldc..i * ldc + NR].iter_mut().zip(row) {
+        for (cv, &v) in c[i * ldc..i * ldc + W].iter_mut().zip(row) {
             *cv = *cv + v;
         }
     }
@@ -281,7 +299,7 @@ impl GemmAcc for f64 {
         pack_blocks::<T, f64, 8>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
-    fn kernel(isa: Isa, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], ldc: usize) {
+    fn kernel(isa: Isa, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], ldc: usize, _cols: usize) {
         assert!(a.len() >= kc * 6 && b.len() >= kc * 8 && c.len() >= 5 * ldc + 8 && ldc >= 8);
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable {
@@ -289,7 +307,7 @@ impl GemmAcc for f64 {
             return unsafe { x86::kernel_f64(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
         }
         let _ = isa;
-        portable_kernel::<f64, 6, 8>(kc, a, b, c, ldc)
+        portable_kernel::<f64, 6, 8, 8>(kc, a, b, c, ldc)
     }
 }
 
@@ -392,10 +410,11 @@ fn run_task<T: Copy, A: GemmAcc>(
                 A::pack_a(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec);
                 for jr in 0..np / nr {
                     let bp = &bpack[jr * kc * nr..(jr + 1) * kc * nr];
+                    let cols = nr.min(task.n_len - jr * nr);
                     for ir in 0..mcp / mr {
                         let ap = &apack[ir * kc * mr..(ir + 1) * kc * mr];
                         let tile = (i0 + ir * mr) * np + jr * nr;
-                        A::kernel(isa, kc, ap, bp, &mut scratch[tile..], np);
+                        A::kernel(isa, kc, ap, bp, &mut scratch[tile..], np, cols);
                     }
                 }
                 i0 += MC;
@@ -792,18 +811,25 @@ mod tests {
         }
         // Edge tiles in every dimension (rows, columns and depths not multiples of the tiles
         // or of the K block), empty groups, depths of one and of three K blocks (in 530; a
-        // group of 300 rows for the weight gradient), more columns than one task takes (530).
+        // group of 300 rows for the weight gradient), more columns than one task takes (530),
+        // last tiles of 18 and 13 columns and a rank-sized side of 5 (the kernels' narrow tiles).
         let counts = [13u64, 0, 40, 300, 1, 0];
-        let (i, o) = (530, 45);
         let n = counts.iter().sum::<u64>() as usize;
-        let (x, w, gy) = (values(1, n * i), values(2, counts.len() * o * i), values(3, n * o));
         let options = KernelOptions { threads: Some(2), portable: false };
+        for (i, o) in [(530, 45), (37, 5)] {
+            compare_instruction_sets(&counts, n, i, o, options);
+        }
+    }
+
+    fn compare_instruction_sets(counts: &[u64], n: usize, i: usize, o: usize, options: KernelOptions) {
+        let supported = Capabilities::detect().supported();
+        let (x, w, gy) = (values(1, n * i), values(2, counts.len() * o * i), values(3, n * o));
         let run = |isa: Isa, dtype: Dtype| {
             let (x, w, gy) = (Data::new(dtype, &x), Data::new(dtype, &w), Data::new(dtype, &gy));
             let gemm = |op, a: &Data, b: &Data, len| {
                 let mut c = Data::new(dtype, &vec![0.0; len]);
                 let (a, b, c_buf) = (("a", a.buf()), ("b", b.buf()), ("c", c.buf_mut()));
-                grouped(op, a, b, c_buf, &counts, i, o, options, isa).unwrap();
+                grouped(op, a, b, c_buf, counts, i, o, options, isa).unwrap();
                 c.bits()
             };
             [
@@ -816,7 +842,10 @@ mod tests {
             let portable = run(Isa::Portable, dtype);
             for &isa in &supported[1..] {
                 for ((op, got), (_, want)) in run(isa, dtype).iter().zip(&portable) {
-                    assert!(got == want, "{dtype:?} {op}: {isa:?} differs from the portable loops");
+                    assert!(
+                        got == want,
+                        "{dtype:?} {op} (in {i}, out {o}): {isa:?} differs from the portable loops"
+                    );
                 }
             }
         }

@@ -111,8 +111,9 @@ pub(super) fn pack_b_t32<T: Copy>(
     }
 }
 
-/// `c[i·ldc + j] += Σ_p a[p·12 + i] · b[p·32 + j]`, i < 12, j < 32: per element a chain of
-/// fused multiply-adds over p from zero, added to c at the end.
+/// `c[i·ldc + j] += Σ_p a[p·12 + i] · b[p·32 + j]`, i < 12, j < 16·V (V = 2: the whole tile;
+/// V = 1: its first 16 columns): per element a chain of fused multiply-adds over p from zero,
+/// added to c at the end.
 ///
 /// # Safety
 /// AVX-512F is available; `a` holds 12·kc, `b` 32·kc floats, and `c` a 12 × 32 tile with row
@@ -120,55 +121,92 @@ pub(super) fn pack_b_t32<T: Copy>(
 #[cfg(fsdpturbo_avx512)]
 #[clippy::msrv = "1.89"]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn kernel_f32_avx512(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+pub(super) unsafe fn kernel_f32_avx512<const V: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 2]; 12];
+        let mut acc = [[_mm512_setzero_ps(); V]; 12];
         for p in 0..kc {
             let bp = b.add(p * 32);
-            let b0 = _mm512_loadu_ps(bp);
-            let b1 = _mm512_loadu_ps(bp.add(16));
+            let mut bv = [_mm512_setzero_ps(); V];
+            for (v, bj) in bv.iter_mut().enumerate() {
+                *bj = _mm512_loadu_ps(bp.add(16 * v));
+            }
             let ap = a.add(p * 12);
             for (i, row) in acc.iter_mut().enumerate() {
                 let ai = _mm512_set1_ps(*ap.add(i));
-                row[0] = _mm512_fmadd_ps(ai, b0, row[0]);
-                row[1] = _mm512_fmadd_ps(ai, b1, row[1]);
+                for (r, &bj) in row.iter_mut().zip(&bv) {
+                    *r = _mm512_fmadd_ps(ai, bj, *r);
+                }
             }
         }
         for (i, row) in acc.iter().enumerate() {
-            let cp = c.add(i * ldc);
-            _mm512_storeu_ps(cp, _mm512_add_ps(_mm512_loadu_ps(cp), row[0]));
-            _mm512_storeu_ps(cp.add(16), _mm512_add_ps(_mm512_loadu_ps(cp.add(16)), row[1]));
+            for (v, &r) in row.iter().enumerate() {
+                let cp = c.add(i * ldc + 16 * v);
+                _mm512_storeu_ps(cp, _mm512_add_ps(_mm512_loadu_ps(cp), r));
+            }
         }
     }
 }
 
-/// What [`kernel_f32_avx512`] computes, with the same operations per element, as four 6 × 16
-/// quarters of 12 AVX2 accumulators each.
+/// What [`kernel_f32_avx512`] computes, with the same operations per element, as 6 × 16
+/// quarters of 12 AVX2 accumulators each (6 × 8 halves of 6 where 8 columns are wanted), for
+/// the quarters holding any of the first `cols` columns.
 ///
 /// # Safety
 /// AVX2 and FMA are available; otherwise as for [`kernel_f32_avx512`].
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn kernel_f32_avx2(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+pub(super) unsafe fn kernel_f32_avx2(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+) {
+    for (i0, j0) in [(0, 0), (0, 16), (6, 0), (6, 16)] {
+        // SAFETY: the caller's contract covers the quarter.
+        unsafe {
+            match cols.saturating_sub(j0) {
+                0 => {}
+                1..=8 => quarter_f32_avx2::<1>(kc, a.add(i0), b.add(j0), c.add(i0 * ldc + j0), ldc),
+                _ => quarter_f32_avx2::<2>(kc, a.add(i0), b.add(j0), c.add(i0 * ldc + j0), ldc),
+            }
+        }
+    }
+}
+
+/// 6 rows × 8·V columns of [`kernel_f32_avx2`]'s tile, at `a` (stride 12), `b` (stride 32)
+/// and `c` (stride `ldc`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quarter_f32_avx2<const V: usize>(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
-        for (i0, j0) in [(0, 0), (0, 16), (6, 0), (6, 16)] {
-            let mut acc = [[_mm256_setzero_ps(); 2]; 6];
-            for p in 0..kc {
-                let bp = b.add(p * 32 + j0);
-                let b0 = _mm256_loadu_ps(bp);
-                let b1 = _mm256_loadu_ps(bp.add(8));
-                let ap = a.add(p * 12 + i0);
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let ai = _mm256_broadcast_ss(&*ap.add(i));
-                    row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
-                    row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+        let mut acc = [[_mm256_setzero_ps(); V]; 6];
+        for p in 0..kc {
+            let bp = b.add(p * 32);
+            let mut bv = [_mm256_setzero_ps(); V];
+            for (v, bj) in bv.iter_mut().enumerate() {
+                *bj = _mm256_loadu_ps(bp.add(8 * v));
+            }
+            let ap = a.add(p * 12);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai = _mm256_broadcast_ss(&*ap.add(i));
+                for (r, &bj) in row.iter_mut().zip(&bv) {
+                    *r = _mm256_fmadd_ps(ai, bj, *r);
                 }
             }
-            for (i, row) in acc.iter().enumerate() {
-                let cp = c.add((i0 + i) * ldc + j0);
-                _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), row[0]));
-                _mm256_storeu_ps(cp.add(8), _mm256_add_ps(_mm256_loadu_ps(cp.add(8)), row[1]));
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (v, &r) in row.iter().enumerate() {
+                let cp = c.add(i * ldc + 8 * v);
+                _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), r));
             }
         }
     }

@@ -39,18 +39,18 @@ const MB: usize = 1020;
 
 /// The per-accumulator-type parts of the GEMM: register-tile height and width, columns per
 /// task, the packing of A and B, and the micro-kernel
-/// `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over an MR × NR tile of which the first
-/// `cols` columns are wanted (the rest are padding of C's last tile, which a kernel may skip:
-/// a narrow C, such as a LoRA factor's rank-sized side, then costs its own width, not NR).
+/// `c[i·ldc + j] += Σ_p a[p·MR + i] · b[p·NR + j]` over an MR × NR tile (`c[…] = 0 + Σ` in the
+/// first K block, so C needs no zeroing) of which the first `cols` columns are wanted (the rest
+/// are padding of C's last tile, which a kernel may skip: a narrow C, such as a LoRA factor's
+/// rank-sized side, then costs its own width, not NR).
 trait GemmAcc: Acc {
     const MR: usize;
     const NR: usize;
     const NC: usize;
     /// `self · b + c` rounded once (IEEE fusedMultiplyAdd), as the SIMD kernels' FMA does.
     fn fused_mul_add(self, b: Self, c: Self) -> Self;
-    /// [`pack`] with MR lanes: the A panels.
+    /// [`pack`] with MR lanes: the A panels. `tmp` is scratch.
     #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
     fn pack_a<T: Copy>(
         src: &[T],
         op: Operand,
@@ -60,13 +60,9 @@ trait GemmAcc: Acc {
         kc: usize,
         dst: &mut [Self],
         dec: &impl Fn(T) -> Self,
-    ) {
-        match Self::MR {
-            6 => pack::<T, Self, 6>(src, op, mn0, len, k0, kc, dst, dec),
-            12 => pack::<T, Self, 12>(src, op, mn0, len, k0, kc, dst, dec),
-            mr => unreachable!("no A packing for MR = {mr}"),
-        }
-    }
+        isa: Isa,
+        tmp: &mut Vec<Self>,
+    );
     /// Packs depth `k0..k0 + klen` of B (indices `mn0..mn0 + len`) as consecutive K blocks of
     /// [`GEMM_KC`] (the last may be shorter), block `kb` at `dst[np·(kb - k0)..]` with
     /// np = `len` rounded up to NR, each laid out as [`pack`] does. `tmp` is scratch.
@@ -83,7 +79,7 @@ trait GemmAcc: Acc {
         isa: Isa,
         tmp: &mut Vec<Self>,
     );
-    fn kernel(isa: Isa, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], ldc: usize, cols: usize);
+    fn kernel(isa: Isa, kc: usize, a: &[Self], b: &[Self], c: &mut [Self], out: TileOut);
 }
 
 /// A strided operand: element (mn, p) (row/column index, depth index) at
@@ -192,6 +188,28 @@ impl GemmAcc for f32 {
     }
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
+    fn pack_a<T: Copy>(
+        src: &[T],
+        op: Operand,
+        mn0: usize,
+        len: usize,
+        k0: usize,
+        kc: usize,
+        dst: &mut [f32],
+        dec: &impl Fn(T) -> f32,
+        isa: Isa,
+        tmp: &mut Vec<f32>,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if isa != Isa::Portable && op.s_k == 1 {
+            // SAFETY: the CPU has AVX2 and FMA (`isa` comes from `isa::current`).
+            return unsafe { x86::pack_a_t12(src, op, mn0, len, k0, kc, dst, dec, tmp) };
+        }
+        let _ = (isa, tmp);
+        pack::<T, f32, 12>(src, op, mn0, len, k0, kc, dst, dec)
+    }
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn pack_b<T: Copy>(
         src: &[T],
         op: Operand,
@@ -213,7 +231,8 @@ impl GemmAcc for f32 {
         pack_blocks::<T, f32, 32>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
-    fn kernel(isa: Isa, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize, cols: usize) {
+    fn kernel(isa: Isa, kc: usize, a: &[f32], b: &[f32], c: &mut [f32], out: TileOut) {
+        let TileOut { ldc, cols, first } = out;
         assert!(a.len() >= kc * 12 && b.len() >= kc * 32 && c.len() >= 11 * ldc + 32 && ldc >= 32);
         assert!((1..=32).contains(&cols));
         #[cfg(target_arch = "x86_64")]
@@ -226,31 +245,32 @@ impl GemmAcc for f32 {
                 let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
                 return unsafe {
                     if cols <= 16 {
-                        x86::kernel_f32_avx512::<1>(kc, a, b, c, ldc)
+                        x86::kernel_f32_avx512::<1>(kc, a, b, c, ldc, first)
                     } else {
-                        x86::kernel_f32_avx512::<2>(kc, a, b, c, ldc)
+                        x86::kernel_f32_avx512::<2>(kc, a, b, c, ldc, first)
                     }
                 };
             }
             // AVX2 (a build without the AVX-512 tile never chooses Avx512).
             _ => {
                 return unsafe {
-                    x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc, cols)
+                    x86::kernel_f32_avx2(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc, cols, first)
                 };
             }
         }
         let _ = isa;
         match cols {
-            0..=8 => portable_kernel::<f32, 12, 32, 8>(kc, a, b, c, ldc),
-            9..=16 => portable_kernel::<f32, 12, 32, 16>(kc, a, b, c, ldc),
-            _ => portable_kernel::<f32, 12, 32, 32>(kc, a, b, c, ldc),
+            0..=8 => portable_kernel::<f32, 12, 32, 8>(kc, a, b, c, ldc, first),
+            9..=16 => portable_kernel::<f32, 12, 32, 16>(kc, a, b, c, ldc, first),
+            _ => portable_kernel::<f32, 12, 32, 32>(kc, a, b, c, ldc, first),
         }
     }
 }
 
 /// The portable micro-kernel (f32 and f64): the first W columns of an MR × NR tile of
-/// C += A-panel × B-panel over `kc` steps, per element the SIMD kernels' operations (a chain of
-/// fused multiply-adds from zero, added to C at the end), so it gives their bits.
+/// C += A-panel × B-panel over `kc` steps (C = 0 + A-panel × B-panel when `first`), per element
+/// the SIMD kernels' operations (a chain of fused multiply-adds from zero, added to C, or to
+/// zero, at the end), so it gives their bits.
 #[inline(always)]
 fn portable_kernel<T: GemmAcc, const MR: usize, const NR: usize, const W: usize>(
     kc: usize,
@@ -258,6 +278,7 @@ fn portable_kernel<T: GemmAcc, const MR: usize, const NR: usize, const W: usize>
     b: &[T],
     c: &mut [T],
     ldc: usize,
+    first: bool,
 ) {
     let mut acc = [[T::default(); W]; MR];
     for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(kc) {
@@ -269,7 +290,7 @@ fn portable_kernel<T: GemmAcc, const MR: usize, const NR: usize, const W: usize>
     }
     for (i, row) in acc.iter().enumerate() {
         for (cv, &v) in c[i * ldc..i * ldc + W].iter_mut().zip(row) {
-            *cv = *cv + v;
+            *cv = if first { T::default() } else { *cv } + v;
         }
     }
 }
@@ -281,6 +302,22 @@ impl GemmAcc for f64 {
     #[inline(always)]
     fn fused_mul_add(self, b: f64, c: f64) -> f64 {
         self.mul_add(b, c)
+    }
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn pack_a<T: Copy>(
+        src: &[T],
+        op: Operand,
+        mn0: usize,
+        len: usize,
+        k0: usize,
+        kc: usize,
+        dst: &mut [f64],
+        dec: &impl Fn(T) -> f64,
+        _isa: Isa,
+        _tmp: &mut Vec<f64>,
+    ) {
+        pack::<T, f64, 6>(src, op, mn0, len, k0, kc, dst, dec)
     }
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
@@ -299,16 +336,26 @@ impl GemmAcc for f64 {
         pack_blocks::<T, f64, 8>(src, op, mn0, len, k0, klen, dst, dec)
     }
     #[inline(always)]
-    fn kernel(isa: Isa, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], ldc: usize, _cols: usize) {
+    fn kernel(isa: Isa, kc: usize, a: &[f64], b: &[f64], c: &mut [f64], out: TileOut) {
+        let TileOut { ldc, first, .. } = out;
         assert!(a.len() >= kc * 6 && b.len() >= kc * 8 && c.len() >= 5 * ldc + 8 && ldc >= 8);
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable {
             // SAFETY: as for f32 (the AVX2 kernel serves AVX-512 too).
-            return unsafe { x86::kernel_f64(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc) };
+            return unsafe { x86::kernel_f64(kc, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), ldc, first) };
         }
         let _ = isa;
-        portable_kernel::<f64, 6, 8, 8>(kc, a, b, c, ldc)
+        portable_kernel::<f64, 6, 8, 8>(kc, a, b, c, ldc, first)
     }
+}
+
+/// Where a micro-kernel's tile of C goes: its row stride, the columns wanted (the first `cols`
+/// of the tile), and whether this is the first K block (the tile is written, not added to).
+#[derive(Clone, Copy)]
+struct TileOut {
+    ldc: usize,
+    cols: usize,
+    first: bool,
 }
 
 /// The x86 register tiles: AVX-512 (f32: 24 accumulators, 12 rows × two 16-float vectors) and
@@ -389,7 +436,9 @@ fn run_task<T: Copy, A: GemmAcc>(
     let mp = round_up(task.m_len, mr);
     let np = round_up(task.n_len, nr);
     let scratch = &mut ws.c[..mp * np];
-    scratch.fill(A::default());
+    if p.k == 0 {
+        scratch.fill(A::default()); // no K block writes C: an empty sum is zero
+    }
     // B is packed a chunk of whole K blocks at a time (all of K when it fits the budget).
     let chunk = (B_PACK_BUDGET / np / GEMM_KC).max(1) * GEMM_KC;
     for c0 in (0..p.k).step_by(chunk) {
@@ -407,14 +456,14 @@ fn run_task<T: Copy, A: GemmAcc>(
                 let mc = MC.min(task.m_len - i0);
                 let mcp = round_up(mc, mr);
                 let apack = &mut ws.a[..mcp * kc];
-                A::pack_a(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec);
+                A::pack_a(a_src, p.a, task.m0 + i0, mc, k0, kc, apack, dec, isa, &mut ws.t);
                 for jr in 0..np / nr {
                     let bp = &bpack[jr * kc * nr..(jr + 1) * kc * nr];
-                    let cols = nr.min(task.n_len - jr * nr);
+                    let out = TileOut { ldc: np, cols: nr.min(task.n_len - jr * nr), first: k0 == 0 };
                     for ir in 0..mcp / mr {
                         let ap = &apack[ir * kc * mr..(ir + 1) * kc * mr];
                         let tile = (i0 + ir * mr) * np + jr * nr;
-                        A::kernel(isa, kc, ap, bp, &mut scratch[tile..], np, cols);
+                        A::kernel(isa, kc, ap, bp, &mut scratch[tile..], out);
                     }
                 }
                 i0 += MC;

@@ -111,9 +111,73 @@ pub(super) fn pack_b_t32<T: Copy>(
     }
 }
 
+/// `pack::<T, f32, 12>` (the A panels) for an operand whose depth is contiguous (`s_k == 1`):
+/// each whole panel's 12 rows are decoded into `tmp` (one sequential read per row), then
+/// transposed 8 × 8 in registers (rows 0–7, and rows 8–11 beside four zero rows). Writes the
+/// same values as the portable pack.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_a_t12<T: Copy>(
+    src: &[T],
+    op: Operand,
+    mn0: usize,
+    len: usize,
+    k0: usize,
+    kc: usize,
+    dst: &mut [f32],
+    dec: &impl Fn(T) -> f32,
+    tmp: &mut Vec<f32>,
+) {
+    const R: usize = 12;
+    let full = len / R;
+    // Rows of `tmp` one cache line longer than needed, so they do not share cache sets.
+    let stride = kc + 16;
+    tmp.resize(R * stride, 0.0);
+    let whole = kc / 8 * 8;
+    for q in 0..full {
+        let first = op.off + (mn0 + q * R) * op.s_mn + k0;
+        for (l, out) in tmp.chunks_exact_mut(stride).enumerate() {
+            for (o, &v) in out[..kc].iter_mut().zip(&src[first + l * op.s_mn..][..kc]) {
+                *o = dec(v);
+            }
+        }
+        let rows: [&[f32]; R] = std::array::from_fn(|l| &tmp[l * stride..l * stride + kc]);
+        let panel = &mut dst[q * kc * R..(q + 1) * kc * R];
+        for b in (0..whole).step_by(8) {
+            // SAFETY (loads): `b + 8 <= kc`: each row holds the 8 floats read.
+            let low: [__m256; 8] =
+                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(rows[i][b..b + 8].as_ptr()) });
+            let high: [__m256; 8] = std::array::from_fn(|i| {
+                if i < 4 {
+                    unsafe { _mm256_loadu_ps(rows[8 + i][b..b + 8].as_ptr()) }
+                } else {
+                    _mm256_setzero_ps()
+                }
+            });
+            for (p, (lo, hi)) in transpose8(low).into_iter().zip(transpose8(high)).enumerate() {
+                let at = &mut panel[(b + p) * R..(b + p + 1) * R];
+                // SAFETY: `at` holds 12 floats: 8 from rows 0–7, then 4 from rows 8–11.
+                unsafe {
+                    _mm256_storeu_ps(at.as_mut_ptr(), lo);
+                    _mm_storeu_ps(at[8..].as_mut_ptr(), _mm256_castps256_ps128(hi));
+                }
+            }
+        }
+        for p in whole..kc {
+            for l in 0..R {
+                panel[p * R + l] = rows[l][p];
+            }
+        }
+    }
+    if full * R < len {
+        let at = full * kc * R;
+        pack::<T, f32, R>(src, op, mn0 + full * R, len - full * R, k0, kc, &mut dst[at..at + R * kc], dec);
+    }
+}
+
 /// `c[i·ldc + j] += Σ_p a[p·12 + i] · b[p·32 + j]`, i < 12, j < 16·V (V = 2: the whole tile;
 /// V = 1: its first 16 columns): per element a chain of fused multiply-adds over p from zero,
-/// added to c at the end.
+/// added to c at the end (to zero when `first`: c is written, not read).
 ///
 /// # Safety
 /// AVX-512F is available; `a` holds 12·kc, `b` 32·kc floats, and `c` a 12 × 32 tile with row
@@ -127,6 +191,7 @@ pub(super) unsafe fn kernel_f32_avx512<const V: usize>(
     b: *const f32,
     c: *mut f32,
     ldc: usize,
+    first: bool,
 ) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
@@ -148,7 +213,8 @@ pub(super) unsafe fn kernel_f32_avx512<const V: usize>(
         for (i, row) in acc.iter().enumerate() {
             for (v, &r) in row.iter().enumerate() {
                 let cp = c.add(i * ldc + 16 * v);
-                _mm512_storeu_ps(cp, _mm512_add_ps(_mm512_loadu_ps(cp), r));
+                let base = if first { _mm512_setzero_ps() } else { _mm512_loadu_ps(cp) };
+                _mm512_storeu_ps(cp, _mm512_add_ps(base, r));
             }
         }
     }
@@ -168,14 +234,15 @@ pub(super) unsafe fn kernel_f32_avx2(
     c: *mut f32,
     ldc: usize,
     cols: usize,
+    first: bool,
 ) {
     for (i0, j0) in [(0, 0), (0, 16), (6, 0), (6, 16)] {
         // SAFETY: the caller's contract covers the quarter.
         unsafe {
             match cols.saturating_sub(j0) {
                 0 => {}
-                1..=8 => quarter_f32_avx2::<1>(kc, a.add(i0), b.add(j0), c.add(i0 * ldc + j0), ldc),
-                _ => quarter_f32_avx2::<2>(kc, a.add(i0), b.add(j0), c.add(i0 * ldc + j0), ldc),
+                1..=8 => quarter_f32_avx2::<1>(kc, a.add(i0), b.add(j0), c.add(i0 * ldc + j0), ldc, first),
+                _ => quarter_f32_avx2::<2>(kc, a.add(i0), b.add(j0), c.add(i0 * ldc + j0), ldc, first),
             }
         }
     }
@@ -185,7 +252,14 @@ pub(super) unsafe fn kernel_f32_avx2(
 /// and `c` (stride `ldc`).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quarter_f32_avx2<const V: usize>(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize) {
+unsafe fn quarter_f32_avx2<const V: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    first: bool,
+) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); V]; 6];
@@ -206,18 +280,26 @@ unsafe fn quarter_f32_avx2<const V: usize>(kc: usize, a: *const f32, b: *const f
         for (i, row) in acc.iter().enumerate() {
             for (v, &r) in row.iter().enumerate() {
                 let cp = c.add(i * ldc + 8 * v);
-                _mm256_storeu_ps(cp, _mm256_add_ps(_mm256_loadu_ps(cp), r));
+                let base = if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(cp) };
+                _mm256_storeu_ps(cp, _mm256_add_ps(base, r));
             }
         }
     }
 }
 
-/// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·8 + j]`, i < 6, j < 8.
+/// `c[i·ldc + j] += Σ_p a[p·6 + i] · b[p·8 + j]`, i < 6, j < 8 (written when `first`).
 ///
 /// # Safety
 /// As for [`kernel_f32_avx2`], with `a` holding 6·kc and `b` 8·kc doubles, and a 6 × 8 tile.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn kernel_f64(kc: usize, a: *const f64, b: *const f64, c: *mut f64, ldc: usize) {
+pub(super) unsafe fn kernel_f64(
+    kc: usize,
+    a: *const f64,
+    b: *const f64,
+    c: *mut f64,
+    ldc: usize,
+    first: bool,
+) {
     // SAFETY: the caller's contract covers every pointer offset below.
     unsafe {
         let mut acc = [[_mm256_setzero_pd(); 2]; 6];
@@ -234,8 +316,10 @@ pub(super) unsafe fn kernel_f64(kc: usize, a: *const f64, b: *const f64, c: *mut
         }
         for (i, row) in acc.iter().enumerate() {
             let cp = c.add(i * ldc);
-            _mm256_storeu_pd(cp, _mm256_add_pd(_mm256_loadu_pd(cp), row[0]));
-            _mm256_storeu_pd(cp.add(4), _mm256_add_pd(_mm256_loadu_pd(cp.add(4)), row[1]));
+            for (v, &r) in row.iter().enumerate() {
+                let base = if first { _mm256_setzero_pd() } else { _mm256_loadu_pd(cp.add(4 * v)) };
+                _mm256_storeu_pd(cp.add(4 * v), _mm256_add_pd(base, r));
+            }
         }
     }
 }

@@ -21,7 +21,10 @@ const PUBLIC_SECTIONS: &[(&str, &[&str])] = &[
     ("Topology and the process-wide parallel state", &["topology.rs", "state.rs"]),
     ("Plans: module patterns, model specs, the expert plan", &["pattern.rs", "spec.rs", "plan.rs"]),
     ("Weights: shard placement and safetensors files", &["placement.rs", "safetensors.rs"]),
-    ("Host kernels: routing, the grouped GEMM, the instruction set", &["route.rs", "gemm.rs", "host_isa.rs"]),
+    (
+        "Host kernels: routing, the grouped GEMM, the instruction set, the threads",
+        &["route.rs", "gemm.rs", "host_isa.rs", "host_threads.rs"],
+    ),
     ("Gradient norm and clipping", &["norm.rs"]),
     ("Collectives: communicators and NCCL", &["comm.rs"]),
     ("Ascend: HCCL and the NPU operators", &["hccl.rs", "npu.rs"]),

@@ -281,6 +281,17 @@ typedef struct {
   uint64_t dst_offset;
 } fsdpturbo_byte_range_t;
 
+// One worker of a `fsdpturbo_host_pool_fn` call: `work(arg, worker)`.
+typedef void (*fsdpturbo_host_work_fn)(void *arg, size_t worker);
+
+// A thread pool of the embedder: `run(ctx, workers, work, arg)` calls `work(arg, i)` exactly
+// once for each i in [0, workers), concurrently where it has the threads (one after another is
+// correct, only slower), and returns after every call has returned.
+typedef void (*fsdpturbo_host_pool_fn)(void *ctx,
+                                       size_t workers,
+                                       fsdpturbo_host_work_fn work,
+                                       void *arg);
+
 // One gradient of the parameter list shared by all ranks, with its local elements on this
 // rank (`numel` may be 0, e.g. an empty shard or a parameter this rank has no gradient for:
 // the entry must still be passed so that every rank issues the same collectives).
@@ -877,7 +888,7 @@ int32_t fsdpturbo_read_plan_dtype(const fsdpturbo_read_plan_t *plan,
                                   size_t *out_len);
 
 /* ============================================================================================
- * Host kernels: routing, the grouped GEMM, the instruction set
+ * Host kernels: routing, the grouped GEMM, the instruction set, the threads
  * ============================================================================================ */
 
 // Routes this rank's tokens (docs/design.md §4.4; the seed's `dispatch_preprocess` and first sort).
@@ -998,6 +1009,16 @@ int32_t fsdpturbo_grouped_mm_grad_weight(int32_t dtype,
 // fsdpturbo_local_power_sum, fsdpturbo_scale_in_place, fsdpturbo_clip_grad_norm*), with a
 // message naming the variable, the value, what is accepted and what this host supports.
 int32_t fsdpturbo_host_isa(const char **out_name);
+
+// Makes the host kernels (fsdpturbo_grouped_mm and its gradients, fsdpturbo_unpermute,
+// fsdpturbo_local_power_sum, fsdpturbo_scale_in_place, fsdpturbo_clip_grad_norm*) run their
+// workers on the embedder's thread pool `run` (called with `ctx` from any thread that calls a
+// host kernel) instead of on threads of their own; `run` NULL: on threads of their own again
+// (the default). For a runtime whose worker threads stay busy between its own parallel
+// regions (OpenMP spins after each one): threads of the kernels' own would compete with them
+// for the cores. The torch op library passes torch's intra-op pool when it loads. Results do
+// not depend on it; calls under way when it changes finish on the pool they started with.
+int32_t fsdpturbo_set_host_thread_pool(fsdpturbo_host_pool_fn run, void *ctx);
 
 /* ============================================================================================
  * Gradient norm and clipping

@@ -21,6 +21,7 @@ pub mod config;
 pub mod gemm;
 pub mod hccl;
 pub mod host_isa;
+pub mod host_threads;
 pub mod norm;
 pub mod npu;
 pub mod ops;

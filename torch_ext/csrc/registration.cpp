@@ -6,6 +6,7 @@
 #include <tuple>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -32,10 +33,26 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> local_shape_and_offset(
   return {std::vector<int64_t>(local.begin(), local.end()), std::vector<int64_t>(offset.begin(), offset.end())};
 }
 
+// The host kernels' workers run on torch's intra-op threads: threads of their own would compete
+// for the cores with OpenMP workers that spin after each torch op (BENCHMARKS.md). Only where
+// at::parallel_for runs in parallel here: torch's OpenMP build inlines it, which needs -fopenmp.
+#if !AT_PARALLEL_OPENMP || defined(_OPENMP)
+#define FSDPTURBO_TORCH_THREADS 1
+void run_on_torch_threads(void*, size_t workers, fsdpturbo_host_work_fn work, void* arg) {
+  at::parallel_for(0, static_cast<int64_t>(workers), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) work(arg, static_cast<size_t>(i));
+  });
+}
+#endif
+
 }  // namespace
 }  // namespace fsdpturbo_torch
 
 TORCH_LIBRARY(fsdpturbo, m) {
+#ifdef FSDPTURBO_TORCH_THREADS
+  fsdpturbo_torch::check(fsdpturbo_set_host_thread_pool(&fsdpturbo_torch::run_on_torch_threads, nullptr),
+                         "fsdpturbo_set_host_thread_pool");
+#endif
   m.def("version() -> str", &fsdpturbo_torch::version);
   m.def("local_shape_and_offset(int[] global_shape, int[] mesh_shape, int[] coordinate, int[] placements)"
         " -> (int[], int[])",

@@ -3,8 +3,8 @@
 //! packed into register-tile panels (converted to the accumulator type on the way: bf16/f16 →
 //! f32), a 12×32 (f32) or 6×8 (f64) register tile is updated with AVX-512 or AVX2 + FMA
 //! (`x86.rs`) or by portable loops, as [`super::isa`] chooses, K is cut into fixed blocks of
-//! [`GEMM_KC`], and the tiles of C are spread over threads (`std::thread::scope`) when the
-//! problem is large. Every output element is computed by one thread with the same sequence of
+//! [`GEMM_KC`], and the tiles of C are spread over threads ([`super::threads::run_workers`])
+//! when the problem is large. Every output element is computed by one thread with the same sequence of
 //! operations whatever the thread count and the instruction set: per K block a chain of fused
 //! multiply-adds from zero (the portable loops use `mul_add`), added to the element's sum in
 //! block order. So results are bit for bit the same for every thread count, on AVX-512, AVX2
@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::buf::{Acc, HostBuf, HostBufMut, check_len, ident, same_dtype};
 use super::isa::Isa;
-use super::threads::{GEMM_PARALLEL_MIN_FLOPS, KernelOptions};
+use super::threads::{GEMM_PARALLEL_MIN_FLOPS, KernelOptions, run_workers};
 use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::{Error, Result};
 
@@ -574,20 +574,7 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
             run_task(task, p, a_src, b_src, &out, &mut ws, &dec, &enc, isa);
         }
     };
-    let threads = threads.min(tasks.len());
-    if threads <= 1 {
-        worker();
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (1..threads).map(|_| scope.spawn(worker)).collect();
-            worker();
-            for h in handles {
-                if let Err(payload) = h.join() {
-                    std::panic::resume_unwind(payload);
-                }
-            }
-        });
-    }
+    run_workers(threads.min(tasks.len()).max(1), &|_| worker());
 }
 
 /// Which of the three grouped GEMMs.

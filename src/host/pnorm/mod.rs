@@ -5,14 +5,14 @@
 //! portable loops the compiler vectorises elsewhere), other p go through `powf`. bf16 is widened by a bit shift,
 //! binary16 by F16C or an exact branch-free conversion. Inputs of at least
 //! [`PARALLEL_MIN_ELEMS`](super::PARALLEL_MIN_ELEMS) elements are split over the available cores with
-//! `std::thread::scope`. Results are bit-for-bit independent of the thread count and of the
+//! the host workers (`super::threads`). Results are bit-for-bit independent of the thread count and of the
 //! instruction set (NaN payloads aside): each buffer is cut into fixed blocks of
 //! [`BLOCK_ELEMS`] elements, element i of a block always goes to accumulator i mod 16, and the
 //! block results are combined sequentially in buffer and block order.
 
 use super::buf::{HostBuf, HostBufMut};
 use super::isa::{self, Isa};
-use super::threads::default_threads;
+use super::threads::{default_threads, for_each_part};
 use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::error::Result;
 
@@ -248,20 +248,10 @@ fn power_sum_on(isa: Isa, bufs: &[HostBuf], p: f64, accumulate_f64: bool, thread
     let blocks: Vec<HostBuf> = blocks.collect();
     let mut partials = vec![0.0f64; blocks.len()];
     let per_thread = blocks.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let mut work = blocks.chunks(per_thread).zip(partials.chunks_mut(per_thread));
-        let own = work.next();
-        for (chunk, out) in work {
-            scope.spawn(move || {
-                for (b, o) in chunk.iter().zip(out) {
-                    *o = block(isa, *b, kernel, accumulate_f64);
-                }
-            });
-        }
-        if let Some((chunk, out)) = own {
-            for (b, o) in chunk.iter().zip(out) {
-                *o = block(isa, *b, kernel, accumulate_f64);
-            }
+    let parts = blocks.chunks(per_thread).zip(partials.chunks_mut(per_thread)).collect();
+    for_each_part(parts, |(chunk, out): (&[HostBuf], &mut [f64])| {
+        for (b, o) in chunk.iter().zip(out) {
+            *o = block(isa, *b, kernel, accumulate_f64);
         }
     });
     partials.into_iter().fold(0.0, fold)
@@ -298,16 +288,8 @@ fn scale_on(isa: Isa, bufs: &mut [HostBufMut], coef: f64, threads: usize) {
         buf.blocks_mut(BLOCK_ELEMS, &mut pieces);
     }
     let per_thread = pieces.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let mut work = pieces.chunks_mut(per_thread);
-        let own = work.next();
-        for chunk in work {
-            scope.spawn(move || chunk.iter_mut().for_each(|b| scale(isa, b, coef)));
-        }
-        if let Some(chunk) = own {
-            chunk.iter_mut().for_each(|b| scale(isa, b, coef));
-        }
-    });
+    let parts = pieces.chunks_mut(per_thread).collect();
+    for_each_part(parts, |chunk: &mut [HostBufMut]| chunk.iter_mut().for_each(|b| scale(isa, b, coef)));
 }
 
 #[cfg(test)]

@@ -131,6 +131,8 @@ class fsdpturbo_npu_exchange_t(_c.Structure):
 
 
 # Callback types.
+fsdpturbo_host_work_fn = _c.CFUNCTYPE(None, _c.c_void_p, _c.c_size_t)
+fsdpturbo_host_pool_fn = _c.CFUNCTYPE(None, _c.c_void_p, _c.c_size_t, fsdpturbo_host_work_fn, _c.c_void_p)
 fsdpturbo_reduce_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint32), _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_double))
 fsdpturbo_host_all_reduce_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32)
 fsdpturbo_host_all_gather_fn = _c.CFUNCTYPE(_c.c_int32, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32)
@@ -296,6 +298,7 @@ FUNCTIONS = {
     'fsdpturbo_grouped_mm_grad_input': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_grouped_mm_grad_weight': (_c.c_int32, [_c.c_int32, _c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.POINTER(_c.c_uint64), _c.c_size_t, _c.c_size_t, _c.c_size_t, _c.c_void_p, _c.c_size_t]),
     'fsdpturbo_host_isa': (_c.c_int32, [_c.POINTER(_c.c_char_p)]),
+    'fsdpturbo_set_host_thread_pool': (_c.c_int32, [fsdpturbo_host_pool_fn, _c.c_void_p]),
     'fsdpturbo_norm_plan': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_size_t, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_uint32), _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_clip_grad_norm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, fsdpturbo_reduce_fn, _c.c_void_p, _c.POINTER(_c.c_double)]),
     'fsdpturbo_scale_in_place': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double]),

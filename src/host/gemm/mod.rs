@@ -546,15 +546,18 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
     let next = AtomicUsize::new(0);
     let max_k = problems.iter().map(|p| p.k).max().unwrap_or(0);
     let worker = || {
-        let mut ws = Workspace {
-            a: vec![A::default(); MC * max_k.min(GEMM_KC)],
-            b: Vec::new(),
-            c: vec![A::default(); MB * A::NC],
-            t: Vec::new(),
-        };
+        // Made on the first task: a worker a pool runs after the others took every task (one
+        // thread running several workers) costs nothing.
+        let mut workspace = None;
         loop {
             let t = next.fetch_add(1, Ordering::Relaxed);
             let Some(&task) = tasks.get(t) else { break };
+            let ws = workspace.get_or_insert_with(|| Workspace {
+                a: vec![A::default(); MC * max_k.min(GEMM_KC)],
+                b: Vec::new(),
+                c: vec![A::default(); MB * A::NC],
+                t: Vec::new(),
+            });
             let p = &problems[task.problem];
             #[cfg(target_arch = "x86_64")]
             match isa {
@@ -562,16 +565,16 @@ fn run_gemm<T: Copy + Send + Sync, A: GemmAcc>(
                 // SAFETY (both): the CPU has the instructions (`isa` comes from `isa::current`).
                 #[cfg(fsdpturbo_avx512)]
                 Isa::Avx512 => {
-                    unsafe { run_task_avx512(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
+                    unsafe { run_task_avx512(task, p, a_src, b_src, &out, ws, &dec, &enc) };
                     continue;
                 }
                 // AVX2 (a build without the AVX-512 tile never chooses Avx512).
                 _ => {
-                    unsafe { run_task_avx2(task, p, a_src, b_src, &out, &mut ws, &dec, &enc) };
+                    unsafe { run_task_avx2(task, p, a_src, b_src, &out, ws, &dec, &enc) };
                     continue;
                 }
             }
-            run_task(task, p, a_src, b_src, &out, &mut ws, &dec, &enc, isa);
+            run_task(task, p, a_src, b_src, &out, ws, &dec, &enc, isa);
         }
     };
     run_workers(threads.min(tasks.len()).max(1), &|_| worker());

@@ -35,11 +35,38 @@ fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
     ]
 }
 
+/// Rows `row0..row0 + R` of `op` at depths `k0..k0 + klen`, decoded into `tmp` one row at a
+/// time (one long sequential read per row; reading the rows side by side, often a multiple of
+/// 4 KiB apart, would make the cache sets thrash and defeat the prefetchers). The rows of `tmp`
+/// are one cache line longer than needed, so they do not share cache sets either.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn decode_rows<'t, T: Copy, const R: usize>(
+    src: &[T],
+    op: Operand,
+    row0: usize,
+    k0: usize,
+    klen: usize,
+    dec: &impl Fn(T) -> f32,
+    tmp: &'t mut Vec<f32>,
+) -> [&'t [f32]; R] {
+    let stride = klen + 16;
+    tmp.resize(R * stride, 0.0);
+    let first = op.off + row0 * op.s_mn + k0;
+    for (l, out) in tmp.chunks_exact_mut(stride).take(R).enumerate() {
+        for (o, &v) in out[..klen].iter_mut().zip(&src[first + l * op.s_mn..][..klen]) {
+            *o = dec(v);
+        }
+    }
+    let tmp: &'t [f32] = tmp;
+    std::array::from_fn(|l| &tmp[l * stride..l * stride + klen])
+}
+
 /// `pack_blocks::<T, f32, 32>` for an operand whose depth is contiguous (`s_k == 1`): each
-/// whole panel's 32 rows are first decoded into `tmp` over the full depth range (one long
-/// sequential read per row; reading the rows side by side, often a multiple of 4 KiB
-/// apart, would make the cache sets thrash and defeat the prefetchers), then transposed
-/// 8 × 8 in registers into each K block. Writes the same values as the portable pack.
+/// whole panel's 32 rows are decoded into `tmp` over the full depth range ([`decode_rows`]),
+/// then transposed 8 × 8 in registers into each K block. Writes the same values as the
+/// portable pack.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn pack_b_t32<T: Copy>(
@@ -56,17 +83,8 @@ pub(super) fn pack_b_t32<T: Copy>(
     const R: usize = 32;
     let full = len / R;
     let np = round_up(len, R);
-    // Rows of `tmp` one cache line longer than needed, so they do not share cache sets.
-    let stride = klen + 16;
-    tmp.resize(R * stride, 0.0);
     for q in 0..full {
-        let first = op.off + (mn0 + q * R) * op.s_mn + k0;
-        for (l, out) in tmp.chunks_exact_mut(stride).enumerate() {
-            for (o, &v) in out[..klen].iter_mut().zip(&src[first + l * op.s_mn..][..klen]) {
-                *o = dec(v);
-            }
-        }
-        let rows: [&[f32]; R] = std::array::from_fn(|l| &tmp[l * stride..l * stride + klen]);
+        let rows = decode_rows::<T, R>(src, op, mn0 + q * R, k0, klen, dec, tmp);
         for kb in (k0..k0 + klen).step_by(GEMM_KC) {
             let kc = GEMM_KC.min(k0 + klen - kb);
             let d = kb - k0;
@@ -112,8 +130,7 @@ pub(super) fn pack_b_t32<T: Copy>(
 }
 
 /// `pack::<T, f32, 12>` (the A panels) for an operand whose depth is contiguous (`s_k == 1`):
-/// each whole panel's 12 rows are decoded into `tmp` (one sequential read per row), then
-/// transposed 8 × 8 in registers (rows 0–7, and rows 8–11 beside four zero rows). Writes the
+/// each whole panel's 12 rows are decoded into `tmp` ([`decode_rows`]), then transposed 8 × 8 in registers (rows 0–7, and rows 8–11 beside four zero rows). Writes the
 /// same values as the portable pack.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
@@ -130,18 +147,9 @@ pub(super) fn pack_a_t12<T: Copy>(
 ) {
     const R: usize = 12;
     let full = len / R;
-    // Rows of `tmp` one cache line longer than needed, so they do not share cache sets.
-    let stride = kc + 16;
-    tmp.resize(R * stride, 0.0);
     let whole = kc / 8 * 8;
     for q in 0..full {
-        let first = op.off + (mn0 + q * R) * op.s_mn + k0;
-        for (l, out) in tmp.chunks_exact_mut(stride).enumerate() {
-            for (o, &v) in out[..kc].iter_mut().zip(&src[first + l * op.s_mn..][..kc]) {
-                *o = dec(v);
-            }
-        }
-        let rows: [&[f32]; R] = std::array::from_fn(|l| &tmp[l * stride..l * stride + kc]);
+        let rows = decode_rows::<T, R>(src, op, mn0 + q * R, k0, kc, dec, tmp);
         let panel = &mut dst[q * kc * R..(q + 1) * kc * R];
         for b in (0..whole).step_by(8) {
             // SAFETY (loads): `b + 8 <= kc`: each row holds the 8 floats read.

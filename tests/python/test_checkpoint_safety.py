@@ -1,15 +1,15 @@
 """Saving never destroys what it did not write: only a directory that is a checkpoint is
 replaced (else a clear error, or overwrite=True), every save stages in a directory of its own,
 a save to a path with an asynchronous save pending waits for it, two jobs replacing one path
-take turns, a trailing slash is the same path, and files and directories are on disk (fsync) before the renames. The converter refuses
-a non-empty output unless told to overwrite and leaves nothing behind when it fails."""
+take turns, what appears at the path during a save is kept, a trailing slash is the same path,
+and files and directories are on disk (fsync) before the renames. The converter refuses a
+non-empty output unless told to overwrite and leaves nothing behind when it fails."""
 import glob
 import os
 
 import pytest
 import torch
 from models import build_model
-
 
 
 def _model(value=None):
@@ -172,7 +172,11 @@ def _replace_repeatedly(path, writer, rounds, start):
         for name in ("a", "b"):
             with open(os.path.join(staging, name), "w") as f:
                 f.write(f"{writer} {n}")
-        replace(staging, path, ours=lambda d: os.path.isfile(os.path.join(d, "a")), hint="ours")
+        replace(staging, path, ours=_written_by_a_job, overwrite=False, hint="ours")
+
+
+def _written_by_a_job(directory):
+    return os.path.isfile(os.path.join(directory, "a"))
 
 
 def test_two_jobs_replacing_one_path_leave_one_whole_copy(tmp_path):
@@ -193,3 +197,23 @@ def test_two_jobs_replacing_one_path_leave_one_whole_copy(tmp_path):
     contents = {open(os.path.join(path, name)).read() for name in ("a", "b")}
     assert contents in ({f"x {rounds - 1}"}, {f"y {rounds - 1}"})
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_what_appears_at_the_path_during_a_save_is_kept(tmp_path):
+    """The path is checked again, under the lock, when the staged directory replaces it: a
+    directory that is not ours created there after the save began stays, and the save fails."""
+    from fsdpturbo.staging import check_target, new_staging, replace
+
+    path = os.fspath(tmp_path / "ckpt")
+    check_target(path, ours=_written_by_a_job, overwrite=False, hint="ours")
+    staging = new_staging(path)
+    with open(os.path.join(staging, "a"), "w") as f:
+        f.write("staged")
+    os.mkdir(path)
+    with open(os.path.join(path, "train.log"), "w") as f:
+        f.write("someone else's")
+    with pytest.raises(FileExistsError, match=r"'.*ckpt' exists and is not ours"):
+        replace(staging, path, ours=_written_by_a_job, overwrite=False, hint="ours")
+    assert os.listdir(path) == ["train.log"]
+    replace(staging, path, ours=_written_by_a_job, overwrite=True, hint="ours")
+    assert os.listdir(path) == ["a"] and sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -198,12 +198,14 @@ class _Save:
     that could fail on some ranks only is a collective step: every rank learns of a failure."""
 
     def __init__(self, path):
-        self.path, self.staging = path, None
+        self.path, self.staging, self.overwrite = path, None, False
         self.action = f"saving the checkpoint {path!r}"
 
     def start(self, extra, optimizer, overwrite):
         """Rank 0 checks `path`, serialises `extra` and creates the staging directory with the
         files it writes; every rank learns the staging directory."""
+        self.overwrite = overwrite
+
         def prepare():
             if rank() != 0:
                 return None
@@ -230,7 +232,7 @@ class _Save:
         replaces `path`."""
         def move():
             if rank() == 0:
-                replace(self.staging, self.path, ours=_is_checkpoint, hint=_CHECKPOINT)
+                replace(self.staging, self.path, ours=_is_checkpoint, overwrite=self.overwrite, hint=_CHECKPOINT)
 
         _on_every_rank(self.action, move)
 

@@ -135,7 +135,7 @@ def _staged(out, overwrite):
     staging = new_staging(out)
     try:
         yield staging
-        replace(staging, out, ours=_nothing, hint="empty")
+        replace(staging, out, ours=_nothing, overwrite=overwrite, hint="empty")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

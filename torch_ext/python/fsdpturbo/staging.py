@@ -95,16 +95,16 @@ def _locked(directory):
         os.close(fd)
 
 
-def replace(staging, path, *, ours, hint):
-    """Moves the complete `staging` directory to `path` (checked by `check_target` before the
-    writing): its directories are synced, a previous `path` is moved to `<path>.old`, `staging`
-    renamed to `path`, the parent synced, and `<path>.old` deleted, all under the parent's lock.
-    A `<path>.old` left by an interrupted replace is removed first when `ours` recognises it,
-    else FileExistsError."""
+def replace(staging, path, *, ours, overwrite, hint):
+    """Moves the complete `staging` directory to `path`: its directories are synced, then under
+    the parent's lock `path` is checked again as `check_target` checked it before the writing
+    (what appeared there meanwhile is kept: FileExistsError), a previous `path` is moved to
+    `<path>.old`, `staging` renamed to `path`, the parent synced, and `<path>.old` deleted. A
+    `<path>.old` left by an interrupted replace is removed first when `ours` recognises it."""
     _sync_directories(staging)
     parent = os.path.dirname(os.path.abspath(path))
     with _locked(parent):
-        _check_old(path, ours, hint)
+        check_target(path, ours=ours, overwrite=overwrite, hint=hint)
         old = path + ".old"
         if os.path.lexists(old):
             shutil.rmtree(old)

@@ -165,6 +165,24 @@ def test_base_trainer_is_not_built():
         import fsdp_turbo.training.trainer  # noqa: F401
 
 
+def test_set_log_level_sets_the_package_loggers():
+    from fsdp_turbo.utils.log import set_log_level
+
+    before = {name: logging.getLogger(name).level for name in ("fsdpturbo", "fsdp_turbo")}
+    try:
+        set_log_level("info")
+        assert logging.getLogger("fsdpturbo.engine").getEffectiveLevel() == logging.INFO
+        assert logging.getLogger("fsdp_turbo").level == logging.INFO
+        set_log_level(logging.DEBUG)
+        assert logging.getLogger("fsdpturbo").level == logging.DEBUG
+        for bad in ("LOUD", -1, True, None):
+            with pytest.raises(ValueError, match=r"level .*; accepted: one of \['DEBUG'"):
+                set_log_level(bad)
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
+
+
 # ---------------------------------------------------------------------------------------------
 # Module patches
 # ---------------------------------------------------------------------------------------------

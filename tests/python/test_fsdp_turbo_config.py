@@ -145,6 +145,10 @@ def test_every_problem_is_reported_at_once_with_its_path():
      "quantization.quantization_plan: {'quant_recipe': 'mxfp8'}, but quantisation is not built"),
     (dict(distributed=DistributedConfig(expert_parallel_size=2)),
      "distributed.ep_plan.apply_modules: empty, but expert_parallel_size is 2"),
+    (dict(module_patches=[{"target": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeModel.forward",
+                           "replacement": "fsdp_turbo.models.qwen.qwen3_5_moe.qwen3_5_moe_model_forward"}]),
+     "module_patches[0].replacement: 'fsdp_turbo.models.qwen.qwen3_5_moe.qwen3_5_moe_model_forward': FSDPTurbo's "
+     "model forwards (fsdp_turbo.models.*"),
 ])
 def test_what_is_not_built_or_cannot_work_is_an_error(fields, problem):
     with pytest.raises(ConfigError) as caught:

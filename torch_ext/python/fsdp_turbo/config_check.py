@@ -151,6 +151,7 @@ def _pattern_list_problems(config):
 
 
 PATCH_KEYS = (("target", "replacement"), ("target_function", "patch_function"))
+NOT_BUILT_MODELS = "fsdp_turbo.models."
 
 
 def _module_patch_problems(patches):
@@ -163,6 +164,11 @@ def _module_patch_problems(patches):
                                                                         or callable(spec[keys[1]])):
             problems.append(f"module_patches[{i}]: expected {{'target': dotted path, 'replacement': callable or dotted "
                             f"path}} (or the older target_function / patch_function keys), got {spec!r}")
+        elif isinstance(spec[keys[1]], str) and spec[keys[1]].startswith(NOT_BUILT_MODELS):
+            problems.append(f"module_patches[{i}].{keys[1]}: {spec[keys[1]]!r}: FSDPTurbo's model forwards "
+                            f"({NOT_BUILT_MODELS}*, e.g. the Qwen3.5 forwards that split the sequence for CP after the "
+                            f"embedding fusion) are not built in fsdpturbo; accepted: a callable or dotted path of your "
+                            f"own")
     return problems
 
 

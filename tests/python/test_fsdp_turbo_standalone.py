@@ -225,3 +225,47 @@ def _state_rank_fn(rank, world):
 
 def test_parallel_state_and_the_errors_that_need_a_world_or_a_model():
     run_ranks(_state_rank_fn, 4, timeout=300)
+
+
+def _bf16_rank_fn(rank, world, layouts):
+    from fsdp_turbo.distributed.parallel_state import reset_parallel_state
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+    from fsdp_turbo.fsdp_turbo_config import DistributedConfig, EPPlanConfig, FSDPPlanConfig, FSDPTurboConfig
+
+    for fsdp, ep, efsdp in layouts:
+        where = f"fsdp {fsdp} ep {ep} efsdp {efsdp}"
+        config = FSDPTurboConfig(distributed=DistributedConfig(
+            fully_shard_parallel_size=fsdp, expert_parallel_size=ep, expert_fully_shard_parallel_size=efsdp,
+            fsdp_plan=FSDPPlanConfig(apply_modules={"model.layers.{*}": {}, "lm_head": {}}, param_dtype="bf16",
+                                     reduce_dtype="fp32", output_dtype="bf16"),
+            ep_plan=EPPlanConfig(apply_modules=[EXPERTS])))
+        wrapper = FSDPTurbo(config, build_model("qwen3_moe"))
+        seen = {}
+
+        def record(name):
+            def hook(module, args):
+                seen[name] = {n: p.dtype for n, p in module.named_parameters(recurse=False)}
+            return hook
+
+        layer = wrapper.model.model.layers[0]
+        hooks = [layer.self_attn.q_proj.register_forward_pre_hook(record("q_proj")),
+                 layer.mlp.experts.register_forward_pre_hook(record("experts"))]
+        ids = batch(0, world)
+        out = wrapper(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1])
+        out.loss.backward()
+        for hook in hooks:
+            hook.remove()
+        assert out.logits.dtype == torch.bfloat16, (where, out.logits.dtype)
+        assert seen["q_proj"] == {"weight": torch.bfloat16}, (where, seen)
+        assert set(seen["experts"].values()) == {torch.bfloat16}, (where, seen)
+        grads = {n: p.grad.dtype for n, p in wrapper.model.named_parameters() if p.grad is not None}
+        assert set(grads.values()) == {torch.float32} and len(grads) == len(list(wrapper.model.parameters())), \
+            (where, grads)
+        reset_parallel_state()
+
+
+def test_bf16_mixed_precision_reaches_every_unit():
+    """`param_dtype` / `output_dtype` bf16 (as verl's GPU recipes write them): attention and the
+    experts compute in bf16 (expert FSDP or not), the logits come out in bf16, and every
+    gradient lands in the fp32 parameters."""
+    run_ranks(_bf16_rank_fn, 4, [(4, 2, 2), (2, 4, 1)], timeout=300)

@@ -3,7 +3,7 @@
 and ours (`fsdpturbo.llamafactory.save_checkpoint` / `load_checkpoint`), each loaded at another
 ep size than it was saved at: every parameter and AdamW moment arrives bitwise.
 
-Run with the rest of tests/llamafactory (ctest `llamafactory_trainer`), on 2 gloo ranks.
+Run by ctest (`llamafactory_checkpoint_interop`, label `llamafactory`), on 2 gloo ranks.
 """
 import os
 import sys
@@ -13,7 +13,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 from dist_util import run_ranks  # noqa: E402
-from test_train import build_model, full, train_config  # noqa: E402
+from models import build_model, full, train_config  # noqa: E402
 
 
 def _sharded(ep, world, seed):

@@ -35,6 +35,7 @@ LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-4, 1e-6
 LEARNING_RATE = 1e-3  # constant: LlamaFactory's default scheduler
 ADAM_BETAS = (0.9, 0.999)  # LlamaFactory's default optimizer: torch.optim.AdamW(params, lr)
 LAUNCH_TIMEOUT_S = 300
+STDERR_FILE = "launch_stderr.txt"  # in each run's output directory
 LORA = {"name": "lora", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all"}
 
 
@@ -48,13 +49,18 @@ class Case:
     stage: str = "sft"          # LlamaFactory's command: sft, dpo or rm (on the preference pairs)
     pref_loss: str = None       # dpo: sigmoid, orpo or simpo
     expert_adapter: bool = False  # resumes EXPERT_ADAPTER (LoRA on the experts) by adapter_name_or_path
+    cp: int = 1                 # LlamaFactory's cp_size (Ulysses, on the flash_attn stand-in in ./site)
+    plugin_cp_fixed: bool = False  # launched by cp_fixed_launcher.py: the plugin with its three CP changes
 
     @property
     def kind(self):
-        """What the run trains, which its fsdp2 reference shares: full, lora, rm or the DPO loss."""
+        """What the run trains, which its fsdp2 reference shares: full, lora, rm or the DPO loss,
+        at a cp size."""
         if self.stage == "sft":
-            return "lora" if self.lora else "full"
-        return self.pref_loss + ("_lora" if self.lora else "") if self.stage == "dpo" else self.stage
+            kind = "lora" if self.lora else "full"
+        else:
+            kind = self.pref_loss + ("_lora" if self.lora else "") if self.stage == "dpo" else self.stage
+        return kind if self.cp == 1 else f"{kind}_cp{self.cp}"
 
     @property
     def reference(self):
@@ -98,6 +104,12 @@ CASES = [
     # LoRA on the experts reaches LlamaFactory only through adapter_name_or_path; its fsdp2 fails
     # on such an adapter, so this run has no reference (test_resumed_expert_adapter_is_saved_whole).
     Case("ep2_eager_expert_adapter", turbo(2, "eager"), init="init_on_default", expert_adapter=True),
+    # Context parallelism (docs/llamafactory-cp.md): the pinned plugin trains wrong at cp 2
+    # (test_cp_with_the_pinned_plugin_is_wrong); with the three changes it needs, it equals
+    # fsdp2 at cp 2 (the checks of every trained case).
+    Case("fsdp2_full_cp2", FSDP2, cp=2),
+    Case("cp2_ep2_eager_plugin_fixed", turbo(2, "eager"), cp=2, plugin_cp_fixed=True),
+    Case("cp2_ep2_eager_plugin_pinned", turbo(2, "eager"), cp=2),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -114,6 +126,8 @@ def _yaml(case, root):
         cfg.update(train_dataset=os.path.join(root, "pairs.jsonl"), cutoff_len=128)
     if case.pref_loss:
         cfg["pref_loss"] = case.pref_loss
+    if case.cp > 1:
+        cfg.update(cp_size=case.cp, flash_attn="flash_attention_2")
     if case.lora:
         cfg["peft_config"] = LORA
     if case.expert_adapter:
@@ -134,11 +148,15 @@ def _launch(case, root):
     import llamafactory.v1.launcher as launcher
 
     config, out = _yaml(case, root)
+    script = os.path.join(HERE, "cp_fixed_launcher.py") if case.plugin_cp_fixed else launcher.__file__
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               launcher.__file__, case.stage, config]
+               script, case.stage, config]
     for attempt in range(2):
         shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=root)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, STDERR_FILE), "w") as f:
+            f.write(proc.stderr)
         log = os.path.join(out, "trainer_log.jsonl")
         steps = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
         if proc.returncode == 0:
@@ -201,7 +219,8 @@ def _saved_tensors(directory, lora):
     return load_file(os.path.join(directory, name))
 
 
-TRAINED = [c for c in CASES if c.dist["name"] == "fsdpturbo" and not c.resume_from and not c.expert_adapter]
+TRAINED = [c for c in CASES if c.dist["name"] == "fsdpturbo" and not c.resume_from and not c.expert_adapter
+           and (c.cp == 1 or c.plugin_cp_fixed)]
 
 
 @pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
@@ -252,6 +271,36 @@ def test_saved_weights_equal_fsdp2(runs, case):
     if not case.lora:  # the experts were trained, not just carried through
         key = "model.layers.0.mlp.experts.0.down_proj.weight"
         assert not torch.equal(got[key], start[key]), f"{case.name}: {key} did not change"
+
+
+def test_fsdp2_at_cp2_equals_fsdp2_at_cp1(runs):
+    """The reference of the CP cases: LlamaFactory's fsdp2 trains alike at cp 2 and cp 1."""
+    _, logs = runs
+    _assert_steps_close(logs["fsdp2_full_cp2"], logs["fsdp2_full"], range(1, STEPS + 1), "fsdp2 at cp 2 vs cp 1")
+
+
+def test_cp_with_the_pinned_plugin_is_wrong(runs):
+    """What docs/llamafactory-cp.md explains, pinned: the unmodified plugin of the build we pin,
+    at cp 2, takes the same first loss (same weights) but logs a grad norm about twice fsdp2's
+    (measured 1.9×: dense gradients kept at cp × a chunk's share, expert ones divided by ep ·
+    efsdp, replicas counted as shards in its norm). When this fails, LlamaFactory's plugin has
+    changed: run the CP cases against it and update that document."""
+    root, logs = runs
+    got, ref = _by_step(logs["cp2_ep2_eager_plugin_pinned"])[1], _by_step(logs["fsdp2_full_cp2"])[1]
+    assert abs(got["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), (got, ref)
+    ratio = got["grad_norm"] / ref["grad_norm"]
+    assert 1.5 < ratio < 2.5, f"the pinned plugin's grad norm at cp 2 is {ratio:.3f}× fsdp2's, no longer ≈ 2×"
+
+
+def test_expert_parallelism_warns_of_the_pinned_plugins_cp_divide_factor(runs):
+    """Our package says so at run time (fsdpturbo.efsdp.warn_if_cp_counted_twice), naming the
+    document, with the pinned plugin at cp 2 and not with the fixed one."""
+    root, _ = runs
+    warning = "expert gradients are summed over the 2 expert_cp ranks"
+    for case, warned in (("cp2_ep2_eager_plugin_pinned", True), ("cp2_ep2_eager_plugin_fixed", False)):
+        with open(os.path.join(root, case, STDERR_FILE)) as f:
+            text = f.read()
+        assert (warning in text and "docs/llamafactory-cp.md" in text) == warned, f"{case}: warned {not warned}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.resume_from], ids=lambda c: c.name)

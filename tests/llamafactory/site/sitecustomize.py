@@ -1,5 +1,5 @@
 """Loaded by every process of the LlamaFactory tests (tests/llamafactory/site is on PYTHONPATH
-only in the ctest entry `llamafactory_trainer`). Each block works around one limitation of
+only in the ctest entries `llamafactory_*` and `verl_ulysses`). Each block works around one limitation of
 running LlamaFactory's trainer on CPU gloo ranks with the CUDA build of torch, without editing
 LlamaFactory, transformers or torch."""
 import importlib.util

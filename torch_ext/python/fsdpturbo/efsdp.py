@@ -127,6 +127,22 @@ def gradient_divide_factor(ep_plan):
     return float(dist.get_world_size()) if factor is None else float(factor)
 
 
+def warn_if_cp_counted_twice(mesh, factor):
+    """Logs a warning when the expert gradients of `mesh` (an ep mesh) are summed over an
+    `expert_cp` dim of size cp > 1 of its root mesh and divided by `factor` = world / cp: with a
+    loss each CP rank holds whole (LlamaFactory's Ulysses loss: cp × its chunk's share) that is
+    cp × the mean gradient. LlamaFactory's pinned fsdpturbo plugin passes exactly that at
+    cp_size > 1 (docs/llamafactory-cp.md)."""
+    root = mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    cp = root.size(names.index("expert_cp")) if "expert_cp" in names else 1
+    if cp > 1 and factor * cp == dist.get_world_size():
+        logger.warning("[Expert Parallel] expert gradients are summed over the %d expert_cp ranks and divided by "
+                       "gradient_divide_factor %g = world size / cp: with a loss every CP rank holds whole "
+                       "(LlamaFactory's Ulysses loss) they come out %d× the mean gradient; LlamaFactory's pinned "
+                       "fsdpturbo plugin does this at cp_size > 1 (docs/llamafactory-cp.md)", cp, factor, cp)
+
+
 def replica_groups(mesh, exclude_dims=()):
     """The process groups of every dim of `mesh`'s root mesh other than `mesh`'s own dims and
     `exclude_dims` (names): the ranks holding replicas of what `mesh` shards."""

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .consistency import check_same_on_every_rank, model_structure
-from .efsdp import gradient_divide_factor, replica_groups
+from .efsdp import gradient_divide_factor, replica_groups, warn_if_cp_counted_twice
 from .layers import decoder_layers
 from .moe import dispatch, ep_state, expert_lora, router_replay
 from .moe.dispatch import get_dispatcher_fn  # also imported from here by fsdp_turbo (the seed's path)
@@ -77,6 +77,7 @@ def expert_parallelize_modules(model, ep_mesh, plan):
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     forward = get_dispatcher_fn(plan.dispatcher, ep_group, fixed_router=plan.fixed_router, capacity=plan.capacity)
     reduction = GradientReduction(tuple(replica_groups(ep_mesh)), gradient_divide_factor(plan))
+    warn_if_cp_counted_twice(ep_mesh, reduction.factor)
     names = []
     for name, module in matched:
         names.append(name)

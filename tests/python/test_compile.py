@@ -22,19 +22,12 @@ from fsdpturbo import parity
 from fsdpturbo.moe.dispatch import Capacity
 from models import batch, full, tiny_config, train_config
 from blocks import TOKENS_PER_RANK, block_data, ep_block, ep_step
+from graph_breaks import FSDP_HOOKS, HOST_READ, graph_breaks
 
 pytestmark = pytest.mark.parity  # also run on the other instruction sets (ctest parity_*)
 
 VARIANTS = {"eager": ("eager", None), "fused": ("fused", None), "domino": ("domino", None),
             "capacity eager": ("eager", Capacity(factor=2.0)), "capacity fused": ("fused", Capacity(factor=2.0))}
-# The frames that may break a graph, as (file, function) of the innermost user frame.
-HOST_READ = ("pipeline.py", "run")
-FSDP_HOOKS = ("_fsdp_common.py", "wrapper")
-
-
-def _breaks(explained):
-    """The (file, function) of the innermost user frame of each graph break."""
-    return {(b.user_stack[-1].filename.rsplit("/", 1)[-1], b.user_stack[-1].name) for b in explained.break_reasons}
 
 
 def _blocks_rank_fn(rank, world, variants):
@@ -59,7 +52,7 @@ def _blocks_rank_fn(rank, world, variants):
         explained = torch._dynamo.explain(ep_block(mesh, dispatcher, capacity, torch.float32))(
             block_data(world, torch.float32)[0][rows].unsqueeze(0))
         if capacity is None:
-            assert explained.graph_break_count > 0 and _breaks(explained) == {HOST_READ}, _breaks(explained)
+            assert explained.graph_break_count > 0 and graph_breaks(explained) == {HOST_READ}, graph_breaks(explained)
         else:
             assert explained.graph_break_count == 0 and explained.graph_count == 1
 
@@ -115,7 +108,7 @@ def _model_rank_fn(rank, world, capacity_factor):
     ids = batch(0, world)[rank:rank + 1]
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
     allowed = {FSDP_HOOKS} if capacity_factor is not None else {FSDP_HOOKS, HOST_READ}
-    assert _breaks(explained) <= allowed, _breaks(explained)
+    assert graph_breaks(explained) <= allowed, graph_breaks(explained)
     dist.barrier()
 
 

@@ -27,9 +27,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "python")]
-from test_verl_engine import (  # noqa: E402
-    GRAD_NORM_RTOL, LOG_PROB_ATOL, LOSS_RTOL, ROWS_PER_RANK, STEPS, WEIGHT_ATOL, WORLD, Case, _deviation, build_engine,
-    launch, train)
+from verl_harness import (  # noqa: E402
+    GRAD_NORM_RTOL, LOG_PROB_ATOL, LOSS_RTOL, ROWS_PER_RANK, STEPS, WORLD, Case, assert_weights_equal, build_engine,
+    deviation, launch, train)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
                                 reason="verl's Ulysses SP needs flash_attn (tests/llamafactory/site on PYTHONPATH)")
@@ -68,17 +68,10 @@ def _global(runs, name, sp):
     return loss, runs[0][name]["grad_norm"], log_probs, runs[0][name]["weights"]
 
 
-def _assert_weights_equal(ours, reference, where):
-    assert ours.keys() == reference.keys(), where
-    for key, weight in reference.items():
-        assert ours[key].shape == weight.shape, f"{where} {key}"
-        assert (ours[key] - weight).abs().max().item() <= WEIGHT_ATOL, f"{where} {key}"
-
-
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda case: case.name)
 def test_turbo_cp_equals_verl_ulysses_sp(runs, case):
     """Per rank and step, our CP through verl's turbo engine equals verl's own Ulysses SP on the
-    fsdp2 engine within the bounds of test_verl_engine.py (float32 reordering)."""
+    fsdp2 engine within the bounds of verl_harness.py (float32 reordering)."""
     for rank, results in enumerate(runs):
         ours, reference = results[case.name], results["fsdp2_sp"]
         where = f"{case.name} rank {rank}"
@@ -89,9 +82,9 @@ def test_turbo_cp_equals_verl_ulysses_sp(runs, case):
             else:
                 assert ours["grad_norm"][step] == pytest.approx(reference["grad_norm"][step], rel=GRAD_NORM_RTOL), \
                     f"{where} step {step}"
-            assert _deviation(ours["log_probs"][step], reference["log_probs"][step]) <= LOG_PROB_ATOL, \
+            assert deviation(ours["log_probs"][step], reference["log_probs"][step]) <= LOG_PROB_ATOL, \
                 f"{where} step {step}"
-        _assert_weights_equal(ours["weights"], reference["weights"], where)
+        assert_weights_equal(ours["weights"], reference["weights"], where)
 
 
 @pytest.mark.parametrize("name", [case.name for case in CP_CASES] + ["fsdp2_sp"])
@@ -103,5 +96,5 @@ def test_sequence_parallel_equals_fsdp2_without_it(runs, name):
     for step in range(STEPS):
         assert loss[step] == pytest.approx(ref_loss[step], rel=LOSS_RTOL), f"{name} step {step}"
         assert grad_norm[step] == pytest.approx(ref_grad_norm[step], rel=GRAD_NORM_RTOL), f"{name} step {step}"
-        assert _deviation(log_probs[step], ref_log_probs[step]) <= LOG_PROB_ATOL, f"{name} step {step}"
-    _assert_weights_equal(weights, ref_weights, name)
+        assert deviation(log_probs[step], ref_log_probs[step]) <= LOG_PROB_ATOL, f"{name} step {step}"
+    assert_weights_equal(weights, ref_weights, name)

@@ -12,11 +12,13 @@ import torch.distributed as dist
 
 import models
 from dist_util import run_ranks
+from fsdpturbo.moe import expert_lora
 from models import build_model, full, layout_state, train_config
 
 pytestmark = [pytest.mark.parity]
 
 SEQ, MICRO_BATCHES, STEPS, LR = 6, 2, 2, 1e-3
+MAX_NORM = 0.05  # below every step's grad norm: clipping scales every gradient
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -50,16 +52,12 @@ def build_peft_model(family="qwen3_moe", seed=0, adapter_seed=0, r=2, expert_tar
 def peft_full(model, tensors):
     """Full tensors by the names of the sharded PEFT `model`, gathered, by the names and in the
     layout of the one-process PEFT model."""
-    from fsdpturbo.moe import expert_lora
-
     return expert_lora.to_peft(model, {name: full(t) for name, t in tensors.items()})
 
 
 def test_engine_factors_reproduce_peft_delta_weight():
     """The engine's per-expert factors give PEFT's own ΔW (ParamWrapper.get_delta_weight) for
     every expert, and convert back to PEFT's matrices bitwise."""
-    from fsdpturbo.moe import expert_lora
-
     model = build_peft_model().double()
     experts = model.base_model.model.model.layers[0].mlp.experts
     wrappers = [experts, experts.base_layer]
@@ -83,7 +81,6 @@ def _micro_batches(step, world):
 def accumulated_step(ids):
     """The one-process reference's step: every micro-batch's whole-batch loss / MICRO_BATCHES,
     backward after each (gradient accumulation), with the batch's rows in `order`."""
-
     def step_fn(model, order):
         total = 0.0
         for micro in ids:
@@ -100,9 +97,9 @@ def train_against_peft(model, reference, clip, where):
     """`STEPS` AdamW steps of the sharded PEFT `model`, MICRO_BATCHES micro-batches each (each
     rank forwards its own row), against the one-process `reference` (a `fsdpturbo.parity.Reference`
     of the PEFT model): each step starts it from the run's parameters and steps it with the
-    run's gradients clipped by `clip(model, max_norm)`; the loss, every adapter gradient, the
-    grad norm and every parameter after the step through the parity gate; the base weights get
-    no gradient and no optimizer state."""
+    run's gradients clipped by `clip(model, MAX_NORM)`; the loss, every adapter gradient (also
+    after clipping, divided by the clipping coefficient), the grad norm and every parameter after
+    the step through the parity gate; the base weights get no gradient and no optimizer state."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == {name for name in trainable if "lora_" in name} and \
@@ -123,22 +120,37 @@ def train_against_peft(model, reference, clip, where):
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad), where
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         gate.check_all({f"grad {name}": g for name, g in peft_full(model, grads).items()}, f"{where} step {step}")
-        gate.check("grad norm", clip(model, 1.0), f"{where} step {step}")
-        gate = reference.optimizer_step(peft_full(model, {n: p.grad for n, p in model.named_parameters()
-                                                          if p.requires_grad}))
+        norm = float(clip(model, MAX_NORM))
+        gate.check("grad norm", norm, f"{where} step {step}")
+        coef = MAX_NORM / (norm + 1e-6)  # what clipping multiplies every gradient by
+        assert coef < 1, f"{where} step {step}: grad norm {norm} does not reach MAX_NORM: nothing clipped"
+        clipped = peft_full(model, {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        gate.check_all({f"grad {name}": g / coef for name, g in clipped.items()}, f"{where} step {step} clipped")
+        gate = reference.optimizer_step(clipped)
         optimizer.step()
         optimizer.zero_grad()
         assert {id(p) for p in optimizer.state} == {id(p) for p in model.parameters() if p.requires_grad}, where
         gate.check_all(peft_full(model, dict(model.named_parameters())), f"{where} after step {step}")
 
 
+def _assert_adapters_placed_as_their_weights(experts, where):
+    """Each expert's adapter lives where the expert does: the factors of an expert weight are
+    DTensors on its mesh, with its placements, holding the same experts (dim 0) on this rank."""
+    for weight in expert_lora.ADAPTED_WEIGHTS:
+        base = getattr(experts, weight)
+        for factor in (expert_lora.down_name(weight), expert_lora.up_name(weight)):
+            param = getattr(experts, factor)
+            assert param.device_mesh == base.device_mesh and param.placements == base.placements, \
+                (where, factor, param.placements, base.placements)
+            assert param.to_local().shape[0] == base.to_local().shape[0] < base.shape[0], \
+                (where, factor, param.to_local().shape, base.to_local().shape)
+
+
 def _train_rank_fn(rank, world, layouts):
     """Per layout: `train_against_peft` with activation checkpointing on (as test_train does)."""
     from fsdpturbo import clip_grad_norm_
     from fsdpturbo.engine import shard_model
-    from fsdpturbo.moe import expert_lora
     from fsdpturbo.parity import Reference
-
 
     for layout in layouts:
         family = layout.get("family", "qwen3_moe")
@@ -153,6 +165,8 @@ def _train_rank_fn(rank, world, layouts):
         experts = model.get_base_model().model.layers[0].mlp.experts
         # ep 1: no expert parallelism, PEFT's own wrappers stay (under the outer FSDP2)
         assert (expert_lora.expert_lora(experts) is not None) == (layout["ep"] > 1), where
+        if layout["ep"] > 1:
+            _assert_adapters_placed_as_their_weights(experts, where)
         train_against_peft(model, reference, clip_grad_norm_, where)
 
 
@@ -207,7 +221,6 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     from fsdp_turbo.distributed.parallel_state import reset_parallel_state
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
     from fsdp_turbo.training.clip_grads import clip_grad_norm
-    from fsdpturbo.moe import expert_lora
     from fsdpturbo.parity import Reference
 
     reference = Reference(build_peft_model(), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
@@ -267,7 +280,6 @@ def logits_gate(one_process, ids, adapters=True):
 
 def _full_optimizer_state(model, optimizer):
     """{parameter name: {state key: full tensor}} of `optimizer` over `model`."""
-
     return {name: {k: full(v) for k, v in optimizer.state[p].items()}
             for name, p in model.named_parameters() if p in optimizer.state}
 
@@ -442,7 +454,7 @@ def test_drop_in_entry_point_disable_adapter_and_refusals():
 def _compiled_rank_fn(rank, world):
     """The capacity-bounded dispatch with expert LoRA compiled whole (inductor): loss and every
     adapter gradient against the one-process PEFT model; no graph break but FSDP2's hooks."""
-    from test_compile import FSDP_HOOKS, _breaks
+    from graph_breaks import FSDP_HOOKS, graph_breaks
 
     from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import Reference
@@ -459,7 +471,7 @@ def _compiled_rank_fn(rank, world):
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     gate.check_all({f"grad {n}": g for n, g in peft_full(model, grads).items()}, "compiled")
     explained = torch._dynamo.explain(model)(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1], use_cache=False)
-    assert _breaks(explained) <= {FSDP_HOOKS}, _breaks(explained)
+    assert graph_breaks(explained) <= {FSDP_HOOKS}, graph_breaks(explained)
 
 
 def test_compiled_capacity_mode_with_expert_lora():

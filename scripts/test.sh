@@ -11,6 +11,11 @@ scripts/setup.sh
 cargo fmt --check
 cargo clippy --release --all-targets --locked -- -D warnings
 .venv/bin/ruff check --no-cache .
+# The consumers' suites are registered only where setup.sh installed the consumers; here they must be.
+for label in llamafactory verl; do
+  ctest --test-dir build -N -L "$label" | grep -q "Total Tests: [1-9]" \
+    || { echo "scripts/test.sh: no ctest entry labelled $label (scripts/setup.sh installs it into .venv)" >&2; exit 1; }
+done
 # ctest's header_drift and abi_ctypes_drift check the generated headers and ctypes layer.
 timeout 3000 ctest --test-dir build --output-on-failure
 scripts/test_aarch64.sh

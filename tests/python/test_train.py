@@ -68,7 +68,7 @@ def _train_rank_fn(rank, world, family, layouts):
 LAYOUTS = [dict(ep=2), dict(ep=4), dict(ep=2, efsdp=1), dict(ep=2, cp=2)]
 # Capacity factor 8: every expert can take all of a rank's slots (SEQ tokens × top-2 of 8 experts).
 EXTRA = {"qwen3_moe": [dict(ep=2, ignored=("model.embed_tokens", "model.norm")), dict(ep=2, dispatcher="fused"),
-                       dict(ep=2, dispatcher="fused", capacity_factor=8.0)],
+                       dict(ep=2, dispatcher="fused", capacity_factor=8.0), dict(ep=2, cp=2, dispatcher="fused")],
          "qwen3_5_moe": [dict(ep=4, dispatcher="domino"), dict(ep=2, dispatcher="eager", capacity_factor=8.0),
                          dict(ep=2, cp=2, dispatcher="fused")]}
 
@@ -76,10 +76,21 @@ EXTRA = {"qwen3_moe": [dict(ep=2, ignored=("model.embed_tokens", "model.norm")),
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_three_adamw_steps_equal_single_process(family):
     """(ep 2, efsdp 2), (ep 4, efsdp 1), (ep 2, efsdp 1, edp 2) and (cp 2, ep 2) on 4 ranks, the
-    last with every sequence split over its CP group (Ulysses; Qwen3.5 also fused, with
+    last with every sequence split over its CP group (Ulysses; also fused, Qwen3.5 with
     multi-axis mRoPE ids); also parameters kept whole outside FSDP2 (fsdp_ignored_modules), the
     fused and domino dispatchers and the capacity-bounded dispatch (with room for every slot)."""
     run_ranks(_train_rank_fn, 4, family, LAYOUTS + EXTRA[family], timeout=400)
+
+
+# The context-parallel layouts of the seed's own runs, on 8 ranks.
+EIGHT_RANKS = {"qwen3_moe": [dict(ep=2, efsdp=2, cp=2)], "qwen3_5_moe": [dict(ep=4, cp=2, dispatcher="fused")]}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_context_parallel_at_eight_ranks(family):
+    """cp 2 · ep 2 · efsdp 2 (Qwen3-MoE, eager) and cp 2 · ep 4 (Qwen3.5-MoE, fused) on 8 ranks:
+    the seed's CP layouts, every sequence split over its CP group, checked as the 4-rank ones."""
+    run_ranks(_train_rank_fn, 8, family, EIGHT_RANKS[family], timeout=600)
 
 
 

@@ -5,6 +5,7 @@ the code it names, and the code does not run. Covers `extra.pt`, `rng/rank{r}.pt
 `load_checkpoint`, `load_model_weights` (`dist_config.dcp_path`) and the converter."""
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_a_planted_object_in_a_dcp_byte_entry_is_refused(checkpoint):
     assert not os.path.exists(marker), "loading ran code from a DCP byte entry"
 
 
-def test_the_converter_refuses_planted_metadata(checkpoint, tmp_path):
+def test_the_converter_refuses_planted_metadata(checkpoint, tmp_path, capsys):
     from fsdpturbo import convert
 
     _, _, where, marker = checkpoint
@@ -101,8 +102,12 @@ def test_the_converter_refuses_planted_metadata(checkpoint, tmp_path):
     convert.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
     _plant_in_metadata(os.path.join(where, "model"), marker)
     _plant_in_metadata(os.path.join(tmp_path, "dcp", "model"), marker)
-    assert convert.main(["to-hf", where, str(tmp_path / "hf2")]) == 1
-    assert convert.main(["verify", str(tmp_path / "dcp")]) == 1
+    capsys.readouterr()
+    for command in (["to-hf", where, str(tmp_path / "hf2")], ["verify", str(tmp_path / "dcp")]):
+        assert convert.main(command) == 1
+        refusal = capsys.readouterr().err
+        assert re.search(r"^error: .*model/\.metadata.* posix\.mkdir.* not one of DCP's metadata types", refusal), \
+            (command[0], refusal)
     assert not os.path.exists(marker), "the converter ran code from a .metadata"
 
 

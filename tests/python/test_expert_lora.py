@@ -435,10 +435,10 @@ def _drop_in_rank_fn(rank, world):
     with pytest.raises(ParityError):
         base_gate.check("logits", _gathered_logits(model, ids), "adapters on")
 
-    user = build_peft_model()
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts has LoRA adapters .* \['domino', 'eager'"):
-        expert_parallelize_modules(user.get_base_model(), ep_mesh,
-                                   EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher=lambda *args: None))
+    for dispatcher in (lambda *args: None, "mc2"):  # a user's callable; MC2's fused matmul has no adapter path
+        with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts has LoRA adapters .* \['domino', 'eager'"):
+            expert_parallelize_modules(build_peft_model().get_base_model(), ep_mesh,
+                                       EPPlanConfig(apply_modules=EXPERT_PATTERN, dispatcher=dispatcher))
     two = build_peft_model()  # PEFT's add_adapter refuses a second adapter on parameters; its layer API does not
     two.get_base_model().model.layers[0].mlp.experts.update_layer("second", 2, lora_alpha=4, lora_dropout=0.0,
                                                                   init_lora_weights=True, use_rslora=False)

@@ -5,6 +5,7 @@ ranks, against the same PEFT model in one process on the whole global batch
 steps, element by element, with activation checkpointing and gradient accumulation; the base
 weights frozen (no gradient, no optimizer state)."""
 import contextlib
+import re
 
 import pytest
 import torch
@@ -209,9 +210,8 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     """`FSDPTurbo(config, peft_model)` as verl's LoRA path calls it: `.model` is the PEFT model,
     its expert adapters taken over; `train_against_peft`; then the saved adapter loads with PEFT
     onto the unsharded model and gives the sharded logits, PEFT's save_pretrained is guarded,
-    and a state dict in PEFT's layout (verl's, taken before wrapping) is refused naming
-    `fsdpturbo.load_lora_adapter` (through verl's load: on rank 0; the others get torch's
-    missing keys)."""
+    and a state dict in PEFT's layout (verl's, taken before wrapping) loads bitwise through
+    verl's load (rank 0's values broadcast); a wrong shape is named on every rank."""
     import os
 
     from peft import PeftModel
@@ -240,14 +240,36 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     logits_gate(unsharded, ids).check("logits", logits, "FSDPTurbo against PEFT's load of its adapter")
     with pytest.raises(RuntimeError, match="save_lora_adapter"):
         model.save_pretrained(os.path.join(tmp, "refused"))
-    refused = r"PEFT's names and layout .*fsdpturbo.load_lora_adapter"
-    with pytest.raises(RuntimeError, match=refused):
-        model.load_state_dict(peft_state)
-    # verl's fsdp2_load_full_state_dict: the other ranks get only the keys the model has
-    with pytest.raises(RuntimeError, match=refused if rank == 0 else "Missing key"):
-        set_model_state_dict(model, peft_state if rank == 0 else {},
+    # verl's fsdp2_load_full_state_dict of the state dict it took before wrapping: rank 0's
+    # values, the other ranks' ignored (here zeros, or nothing); then a plain load_state_dict.
+    initial = {name: value for name, value in peft_state.items() if name in dict(build_peft_model().named_parameters())}
+    for others in ({}, {name: torch.zeros_like(value) for name, value in peft_state.items()}):
+        set_model_state_dict(model, dict(peft_state) if rank == 0 else others,  # torch adds to the dict given
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        _assert_holds(model, initial, "set_model_state_dict(broadcast_from_rank0)")
+        _perturb(model)
+    wrong = dict(peft_state)
+    key = next(k for k in wrong if k.endswith("experts.base_layer.lora_A.default.weight"))
+    wrong[key] = wrong[key][:-1]
+    with pytest.raises(ValueError, match=rf"{re.escape(key)} has shape .* takes "):  # on every rank
+        set_model_state_dict(model, wrong if rank == 0 else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     reset_parallel_state()
+
+
+def _assert_holds(model, expected, how):
+    """Every parameter of the sharded PEFT `model`, gathered in PEFT's names and layout, equals
+    `expected` bitwise."""
+    got = peft_full(model, dict(model.named_parameters()))
+    assert got.keys() == expected.keys(), (how, sorted(set(got) ^ set(expected)))
+    differing = [name for name in expected if not torch.equal(got[name], expected[name])]
+    assert not differing, (how, differing[:3])
+
+
+def _perturb(model):
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
 
 
 def test_fsdp_turbo_on_a_peft_model(tmp_path):

@@ -78,3 +78,7 @@ class CPUPlatform(PlatformBase):
 
 def install():
     set_platform(CPUPlatform())
+    # verl's LoRA weight collection empties its device module's cache, which torch.cpu lacks;
+    # verl compares the module with torch.cpu elsewhere, so it stays torch.cpu.
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None

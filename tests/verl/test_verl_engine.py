@@ -11,7 +11,9 @@ engine's autocast dtype, which verl leaves at bf16), packed sequences (`use_remo
 One launch runs the fsdp2 reference once and then every turbo case (EP 2 × EFSDP 2 and EP 4,
 eager and fused, FSDPTurbo's recompute on and off, once beside verl's own gradient
 checkpointing (verl's default), once HSDP (fully-shard 2 × data 2), once with verl's CPU
-offload policy); the parallel state is reset between cases. The first case also builds a
+offload policy, once with verl's LoRA on attention and on the experts (`lora_rank`,
+`target_modules`, `target_parameters`) against verl's fsdp2 engine with the same LoRA: there also
+every adapter, gathered in PEFT's names and layout); the parallel state is reset between cases. The first case also builds a
 forward-only reference engine before its actor, both on one parallel state, as verl's PPO
 workers do; its log-probs are compared with the fsdp2 engine's first ones.
 
@@ -32,7 +34,7 @@ from verl_harness import (  # noqa: E402
     log_probs_of, train)
 
 CASES = [Case(2, 2, "eager", False), Case(2, 2, "fused", True, fsdp=2), Case(4, 1, "eager", True, hf_checkpointing=True),
-         Case(4, 1, "fused", False, offload=True)]
+         Case(4, 1, "fused", False, offload=True), Case(2, 2, "eager", True, lora=True)]
 
 
 def _rank_fn(rank, world, model_dir, batches, cases, out_path):
@@ -41,7 +43,8 @@ def _rank_fn(rank, world, model_dir, batches, cases, out_path):
     cpu_platform.install()
     from fsdp_turbo.distributed.parallel_state import reset_parallel_state
 
-    results = {"fsdp2": train(build_engine("fsdp2", model_dir), batches, rank)}
+    results = {"fsdp2": train(build_engine("fsdp2", model_dir), batches, rank),
+               "fsdp2_lora": train(build_engine("fsdp2", model_dir, lora=True), batches, rank)}
     for i, case in enumerate(cases):
         # The first case also builds a forward-only reference engine before the actor, in the same
         # process and parallel state, as verl's PPO workers do.
@@ -63,7 +66,7 @@ def test_turbo_engine_equals_fsdp2_engine(runs, case):
     """Per rank and step: the loss and grad norm verl reports and the log-probs of its forward,
     then every final weight, equal verl's fsdp2 engine's within float32 reordering."""
     for rank, results in enumerate(runs):
-        ours, reference = results[case.name], results["fsdp2"]
+        ours, reference = results[case.name], results["fsdp2_lora" if case.lora else "fsdp2"]
         where = f"{case.name} rank {rank}"
         for step in range(STEPS):
             assert ours["loss"][step] == pytest.approx(reference["loss"][step], rel=LOSS_RTOL), f"{where} step {step}"
@@ -74,3 +77,7 @@ def test_turbo_engine_equals_fsdp2_engine(runs, case):
         if case == CASES[0]:  # the forward-only engine beside the actor: the initial weights
             assert deviation(ours["ref_log_probs"], reference["log_probs"][0]) <= LOG_PROB_ATOL, where
         assert_weights_equal(ours["weights"], reference["weights"], where)
+        assert_weights_equal(ours["adapters"], reference["adapters"], where)
+        if case.lora:  # the experts' adapters trained (PEFT starts lora_B at zero)
+            experts = [n for n in ours["adapters"] if ".mlp.experts." in n and ".lora_B." in n]
+            assert len(experts) == 4 and all(ours["adapters"][n].abs().max() > 0 for n in experts), where

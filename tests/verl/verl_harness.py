@@ -32,12 +32,13 @@ class Case:
     fsdp: int = WORLD  # distributed.fully_shard_parallel_size: below the world, HSDP
     offload: bool = False  # verl's engine.offload_policy, which it copies into fsdp_plan.cpu_offload
     ulysses: int = 1  # distributed.ulysses_parallel_size: from 2, our Ulysses CP (cp_plan below)
+    lora: bool = False  # verl's LoRA (LORA below): adapters on attention and on the experts
 
     @property
     def name(self):
         recompute = "recompute" if self.recompute else "no_recompute"
         extras = {"hf_ckpt": self.hf_checkpointing, "hsdp": self.fsdp != WORLD, "offload": self.offload,
-                  f"cp{self.ulysses}": self.ulysses > 1}
+                  f"cp{self.ulysses}": self.ulysses > 1, "lora": self.lora}
         return "_".join([f"ep{self.ep}_efsdp{self.efsdp}_{self.dispatcher}_{recompute}"] + [k for k, v in extras.items() if v])
 
     def turbo_config(self):
@@ -99,14 +100,24 @@ def rank_batch(step_batch, rank, rows_per_rank=ROWS_PER_RANK):
     return data
 
 
-def build_engine(strategy, model_dir, case=None, forward_only=False, attn_implementation="eager", sp=1):
-    """verl's engine of `strategy`; `sp` is verl's own ulysses_sequence_parallel_size."""
+# verl's LoRA (actor_rollout_ref.model.lora_rank > 0): adapters on attention and on the experts.
+LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+def build_engine(strategy, model_dir, case=None, forward_only=False, attn_implementation="eager", sp=1, lora=False):
+    """verl's engine of `strategy`; `sp` is verl's own ulysses_sequence_parallel_size; `lora` (or
+    the case's): verl wraps the model with PEFT (LORA) before handing it to the engine's sharding."""
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+    lora = lora or bool(case and case.lora)
+    if lora:
+        torch.manual_seed(0)  # PEFT draws lora_A on rank 0 (broadcast by verl's load): the same for every engine
     model_config = HFModelConfig(path=model_dir, load_tokenizer=False, override_config={"attn_implementation": attn_implementation},
-                                 enable_gradient_checkpointing=bool(case and case.hf_checkpointing))
+                                 enable_gradient_checkpointing=bool(case and case.hf_checkpointing),
+                                 **(LORA if lora else {}))
     engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False, fsdp_size=-1,
                                      ulysses_sequence_parallel_size=sp,
                                      mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
@@ -142,9 +153,22 @@ def train(engine, batches, rank, rows_per_rank=ROWS_PER_RANK):
         engine.lr_scheduler_step()
         losses.append(sum(out["loss"]))
         grad_norms.append(out["metrics"].get("grad_norm"))  # with SP only on each group's first rank
-    params, _ = engine.get_per_tensor_param()
+    params, _ = engine.get_per_tensor_param()  # with LoRA: the base weights
     weights = {name: tensor.detach().clone() for name, tensor in params}
-    return {"log_probs": log_probs, "loss": losses, "grad_norm": grad_norms, "weights": weights}
+    return {"log_probs": log_probs, "loss": losses, "grad_norm": grad_norms, "weights": weights,
+            "adapters": adapters_of(engine.module)}
+
+
+def adapters_of(model):
+    """The LoRA factors of `model` (a sharded PEFT model, or any other: {}), full, by PEFT's names
+    and in its layout (fsdpturbo.moe.expert_lora.to_peft: the experts' factors taken over by our
+    engine back in PEFT's folded matrices)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdpturbo.moe import expert_lora
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: value for name, value in expert_lora.to_peft(model, state).items() if ".lora_" in name}
 
 
 def launch(rank_fn, cases):

@@ -99,24 +99,48 @@ def save_lora_adapter(model, path, rank=0):
 def guard_taken_over(given, model):
     """After sharding `model` (the model inside the PEFT model `given`, or `given` itself, as
     `shard_model` and `FSDPTurbo` do): when expert parallelism took expert adapters over
-    (`given.save_pretrained` is guarded then: `expert_lora.take_over`), a state dict in PEFT's
-    names and layout of the experts (`...experts.base_layer.lora_A.default.weight`, the one taken
-    before sharding) is refused by `load_state_dict`, naming `fsdpturbo.load_lora_adapter`,
-    before torch's list of missing and unexpected keys."""
+    (`given.save_pretrained` is guarded then: `expert_lora.take_over`), `given.load_state_dict`
+    also takes a state dict in PEFT's names and layout of the experts (the one taken before
+    sharding, as verl loads it: `...experts.base_layer.lora_A.default.weight`,
+    `...experts.base_layer.base_layer.gate_up_proj`) by `_load_peft_layout`."""
     if given is model or not any(expert_lora.expert_lora(m) is not None for m in model.modules()):
         return
-    given.register_load_state_dict_pre_hook(_refuse_peft_layout)
+    given.register_load_state_dict_pre_hook(_load_peft_layout)
 
 
-def _refuse_peft_layout(module, state_dict, prefix, *args):
-    peft = {f"{prefix}{p.name}" for p in expert_lora.peft_names(module).values()}
-    found = [key for key in state_dict if key in peft]
-    if found:
-        raise RuntimeError(f"fsdpturbo: the state dict holds the experts in PEFT's names and layout (e.g. {found[0]!r}, "
-                           f"{len(found)} such keys); the experts sharded by fsdpturbo hold their weights and adapters "
-                           f"as '...experts.gate_up_proj', '...experts.gate_up_proj_lora_down', ... (docs/training.md, "
-                           f"Expert LoRA). Load the adapters with fsdpturbo.load_lora_adapter(model, path) and the base "
-                           f"weights by the sharded model's own names (model.state_dict()'s keys)")
+def _load_peft_layout(module, state_dict, prefix, *args):
+    """Loads the expert tensors `state_dict` holds in PEFT's names and layout into the engine's
+    parameters, then leaves each under the engine's name (so `load_state_dict` counts it loaded
+    and copies it onto itself) and drops the PEFT key. Collective whenever the process group has
+    more than one rank, because that is how sharded models are loaded (torch's
+    `set_model_state_dict(..., broadcast_from_rank0=True)` gives the other ranks only the keys
+    the model has): rank 0's values are broadcast, the other ranks' ignored, and a wrong shape
+    raises on every rank, naming the tensor."""
+    names = expert_lora.peft_names(module)
+    params = dict(module.named_parameters())
+    found = [(ours, tuple(state_dict[prefix + peft.name].shape), state_dict[prefix + peft.name].dtype)
+             for ours, peft in names.items() if prefix + peft.name in state_dict]
+    collective = dist.is_initialized() and dist.get_world_size() > 1
+    if collective:
+        shared = [found]
+        dist.broadcast_object_list(shared, src=0)
+        found = shared[0]
+    for ours, shape, _ in found:
+        expected = tuple(names[ours].to_peft(torch.empty(params[ours].shape, device="meta")).shape)
+        if shape != expected:
+            raise ValueError(f"fsdpturbo: the state dict's {prefix}{names[ours].name} has shape {shape}; "
+                             f"{prefix}{ours} takes {expected} in PEFT's layout")
+    for ours, shape, dtype in found:
+        param, key = params[ours], prefix + names[ours].name
+        value = state_dict.pop(key, None)
+        if collective:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            full = value.to(local.device) if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype,
+                                                                                   device=local.device)
+            dist.broadcast(full, src=0)
+            value = full
+        copy_weights_(param, names[ours].from_peft(value).contiguous())
+        state_dict[prefix + ours] = param
 
 
 def _check_config(model, path):

@@ -1,7 +1,7 @@
 """Every rank fails together, fast, with the cause: a step of `save_checkpoint`,
 `load_checkpoint` or `shard_model` that fails on some ranks only (an `extra` that cannot be
 serialised, a failed write or rename, a truncated or missing copy of a checkpoint, a
-configuration that does not parse) makes every rank raise the same error naming the failing
+configuration that does not parse, a failed read of the weights) makes every rank raise the same error naming the failing
 rank and the cause within seconds, not after the process-group timeout; ranks given different
 checkpoints or configurations raise an error naming the first difference and both values.
 The failing rank catches its error and stays up, as a caller that handles errors would."""
@@ -138,6 +138,11 @@ def _shard_rank_fn(rank, world, directory):
     _same_error_everywhere(lambda: shard(config), ValueError,
                            r"disagree on the training configuration: rank\(s\) \[1\] differ from rank 0, first at "
                            r"dist\.dcp_path: rank 0 has '.*dcp0', rank 1 has '.*dcp1'")
+    # Rank 1's read of its slices fails (a disk error after the checkpoints were compared).
+    import fsdpturbo.engine as engine
+    with _failing(engine, "load_hf_weights", rank == 1, OSError("Input/output error (injected)")):
+        _same_error_everywhere(lambda: shard(good, weights=directory), OSError,
+                               r"loading the weights '.*' failed \(rank 1: OSError: Input/output error \(injected\)\)")
     model = shard(good, weights=directory)  # and the same inputs still work
     assert all(p.device.type == "cpu" for p in model.parameters())
 

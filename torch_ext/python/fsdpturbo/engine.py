@@ -184,7 +184,12 @@ def materialize(model, device, weights=None, copy_fn=None, dcp_path=None):
                     buffer.copy_(saved[name])
     loaded = set()
     if weights is not None:
-        loaded = set(load_hf_weights(model, weights, **({"copy_fn": copy_fn} if copy_fn else {})))
+        # Each rank reads its own slices, with no collective until the end: a read that fails on
+        # one rank (EIO, a file replaced since the fingerprint) fails on every rank, naming it.
+        names = []
+        collective_step(f"loading the weights {str(weights)!r}",
+                        lambda: names.extend(load_hf_weights(model, weights, **({"copy_fn": copy_fn} if copy_fn else {}))))
+        loaded = set(names)
     elif dcp_path is not None:
         loaded = set(load_model_weights(model, dcp_path))
     unset = sorted(meta_buffers - loaded)

@@ -10,8 +10,8 @@ micro-batches per rank (verl's gradient accumulation), fp32 (the harness sets th
 engine's autocast dtype, which verl leaves at bf16), packed sequences (`use_remove_padding`).
 One launch runs the fsdp2 reference once and then every turbo case (EP 2 × EFSDP 2 and EP 4,
 eager and fused, FSDPTurbo's recompute on and off, once beside verl's own gradient
-checkpointing (verl's default), once HSDP (fully-shard 2 × data 2), once with verl's CPU
-offload policy, once with verl's LoRA on attention and on the experts (`lora_rank`,
+checkpointing (verl's default) and once alone at EP 4, once HSDP (fully-shard 2 × data 2), once
+with verl's CPU offload policy, once with verl's LoRA on attention and on the experts (`lora_rank`,
 `target_modules`, `target_parameters`) against verl's fsdp2 engine with the same LoRA: there also
 every adapter, gathered in PEFT's names and layout); the parallel state is reset between cases. The first case also builds a
 forward-only reference engine before its actor, both on one parallel state, as verl's PPO
@@ -34,7 +34,7 @@ from verl_harness import (  # noqa: E402
     log_probs_of, train)
 
 CASES = [Case(2, 2, "eager", False), Case(2, 2, "fused", True, fsdp=2), Case(4, 1, "eager", True, hf_checkpointing=True),
-         Case(4, 1, "fused", False, offload=True), Case(2, 2, "eager", True, lora=True)]
+         Case(4, 1, "fused", False, offload=True), Case(4, 1, "eager", True), Case(2, 2, "eager", True, lora=True)]
 
 
 def _rank_fn(rank, world, model_dir, batches, cases, out_path):

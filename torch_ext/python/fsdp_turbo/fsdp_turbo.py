@@ -15,8 +15,9 @@ A PEFT model (verl's LoRA path hands over `get_peft_model`'s) is transformed as 
 does it: the plan's module and parameter names are those of the model inside it
 (`get_base_model()`: `model.layers.{*}.mlp.experts`), and a name written with PEFT's prefix
 `base_model.model.` names the same module; with ep > 1 the adapters on the experts
-(`target_parameters`) move onto the expert modules (`fsdpturbo.moe.expert_lora`), and the PEFT
-model's `save_pretrained` and `load_state_dict` are guarded (`fsdpturbo.adapters.guard_taken_over`).
+(`target_parameters`) move onto the expert modules (`fsdpturbo.moe.expert_lora`), the PEFT
+model's `save_pretrained` is guarded and its `load_state_dict` takes the experts in PEFT's names
+and layout, as verl loads them (`fsdpturbo.adapters.guard_taken_over`).
 `.model` stays the PEFT model, the root of the outer FSDP2.
 
 Gradients: each rank's loss is the mean over its share of the global batch (under Ulysses,

@@ -226,6 +226,7 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
     reference = Reference(build_peft_model(), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
     peft_model = build_peft_model()
     peft_state = peft_model.state_dict()
+    parameter_names = {name for name, _ in peft_model.named_parameters()}
     wrapper = FSDPTurbo(turbo_config(), peft_model)
     model = wrapper.model
     assert model is peft_model and expert_lora.expert_lora(model.get_base_model().model.layers[1].mlp.experts)
@@ -242,7 +243,7 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
         model.save_pretrained(os.path.join(tmp, "refused"))
     # verl's fsdp2_load_full_state_dict of the state dict it took before wrapping: rank 0's
     # values, the other ranks' ignored (here zeros, or nothing); then a plain load_state_dict.
-    initial = {name: value for name, value in peft_state.items() if name in dict(build_peft_model().named_parameters())}
+    initial = {name: value for name, value in peft_state.items() if name in parameter_names}
     for others in ({}, {name: torch.zeros_like(value) for name, value in peft_state.items()}):
         set_model_state_dict(model, dict(peft_state) if rank == 0 else others,  # torch adds to the dict given
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -167,6 +167,8 @@ def adapters_of(model):
 
     from fsdpturbo.moe import expert_lora
 
+    if not hasattr(model, "peft_config"):  # no adapters: nothing to gather
+        return {}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {name: value for name, value in expert_lora.to_peft(model, state).items() if ".lora_" in name}
 

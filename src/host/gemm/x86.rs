@@ -130,8 +130,9 @@ pub(super) fn pack_b_t32<T: Copy>(
 }
 
 /// `pack::<T, f32, 12>` (the A panels) for an operand whose depth is contiguous (`s_k == 1`):
-/// each whole panel's 12 rows are decoded into `tmp` ([`decode_rows`]), then transposed 8 × 8 in registers (rows 0–7, and rows 8–11 beside four zero rows). Writes the
-/// same values as the portable pack.
+/// each whole panel's 12 rows are decoded into `tmp` ([`decode_rows`]), then transposed 8 × 8
+/// in registers (rows 0–7, and rows 8–11 beside four zero rows). Writes the same values as the
+/// portable pack.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn pack_a_t12<T: Copy>(

@@ -49,8 +49,9 @@ class _Entry:
     peft: expert_lora.PeftName
 
 
-def _peft_shape(entry):
-    return tuple(entry.peft.to_peft(torch.empty(entry.param.shape, device="meta")).shape)
+def _peft_shape(param, peft):
+    """The shape of `param` (a parameter of the sharded model) in PEFT's layout (`peft`: its `PeftName`)."""
+    return tuple(peft.to_peft(torch.empty(param.shape, device="meta")).shape)
 
 
 def _entries(model):
@@ -126,7 +127,7 @@ def _load_peft_layout(module, state_dict, prefix, *args):
         dist.broadcast_object_list(shared, src=0)
         found = shared[0]
     for ours, shape, _ in found:
-        expected = tuple(names[ours].to_peft(torch.empty(params[ours].shape, device="meta")).shape)
+        expected = _peft_shape(params[ours], names[ours])
         if shape != expected:
             raise ValueError(f"fsdpturbo: the state dict's {prefix}{names[ours].name} has shape {shape}; "
                              f"{prefix}{ours} takes {expected} in PEFT's layout")
@@ -178,9 +179,10 @@ def load_lora_adapter(model, path):
         raise KeyError(f"fsdpturbo.load_lora_adapter: {file!r} does not hold the model's adapter: missing "
                        f"{missing}, unexpected {unexpected}")
     for key, entry in entries.items():
-        if tuple(tensors[key].shape) != _peft_shape(entry):
+        expected = _peft_shape(entry.param, entry.peft)
+        if tuple(tensors[key].shape) != expected:
             raise ValueError(f"fsdpturbo.load_lora_adapter: {file!r}: tensor {key!r} has shape "
-                             f"{tuple(tensors[key].shape)}; the model's {entry.peft.name} takes {_peft_shape(entry)}")
+                             f"{tuple(tensors[key].shape)}; the model's {entry.peft.name} takes {expected}")
     for key, entry in entries.items():
         copy_weights_(entry.param, entry.peft.from_peft(tensors[key]).contiguous())
     return list(entries)

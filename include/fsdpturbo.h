@@ -1103,13 +1103,26 @@ int32_t fsdpturbo_nccl_version(int32_t *out_version);
 int32_t fsdpturbo_nccl_unique_id(uint8_t *out_id);
 
 // Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
-// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made. Blocks until all ranks joined.
+// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made; waits until all ranks joined,
+// at most 600 s, as every later call (fsdpturbo_comm_nccl_new_with_timeout sets the limit).
 // Free it with fsdpturbo_comm_free on every rank. Buffers of its collectives are device memory.
 int32_t fsdpturbo_comm_nccl_new(const uint8_t *id,
                                 size_t world_size,
                                 size_t rank,
                                 int32_t device,
                                 fsdpturbo_comm_t **out_comm);
+
+// fsdpturbo_comm_nccl_new with the deadline of joining and of every call on the communicator:
+// a call NCCL has not finished within `timeout_ms` milliseconds (a peer that never makes it, or
+// died) aborts the communicator and fails with FSDPTURBO_ERR_UNAVAILABLE; later calls fail with
+// FSDPTURBO_ERR_STATE. NCCL before 2.14 has no nonblocking communicators: there calls block
+// without a deadline.
+int32_t fsdpturbo_comm_nccl_new_with_timeout(const uint8_t *id,
+                                             size_t world_size,
+                                             size_t rank,
+                                             int32_t device,
+                                             uint64_t timeout_ms,
+                                             fsdpturbo_comm_t **out_comm);
 
 // Frees a communicator; NULL is a no-op. For NCCL this destroys the communicator: call it on
 // every rank.

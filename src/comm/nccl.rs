@@ -2,15 +2,28 @@
 //! (rank 0 calls [`unique_id`], every rank calls [`NcclCollective::new`] with it). Buffers are
 //! device memory ordered on the given stream; the device must be current on the calling thread
 //! (NCCL's rule), which [`NcclCollective::new`] ensures through the driver's primary context.
+//!
+//! The communicator is nonblocking (NCCL 2.14 and later) and every call on it has a deadline:
+//! joining, and each call NCCL reports as still in progress, is polled until it finishes or the
+//! deadline passes; then the communicator is aborted (`ncclCommAbort`, which frees a peer's
+//! kernels too) and the call fails naming what did not finish. A rank that died leaves its
+//! peers an error, not a hang. Work on the caller's streams is the caller's to wait for, except
+//! the host all-reduce, which waits for its stream against the deadline too.
 
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use super::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, Stream};
 use crate::backend::cuda::driver::driver;
-use crate::backend::cuda::nccl::{self, Nccl, NcclComm, NcclUniqueId, nccl};
-use crate::error::{Error, Result};
+use crate::backend::cuda::nccl::{self, NCCL_IN_PROGRESS, Nccl, NcclComm, NcclConfig, NcclUniqueId, nccl};
+use crate::error::{Error, ErrorKind, Result};
 
 pub use crate::backend::cuda::nccl::NCCL_UNIQUE_ID_BYTES;
+
+/// The deadline of a call when the embedder gives none: torch's default for its NCCL process
+/// groups.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A fresh unique id as bytes.
 pub fn unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES]> {
@@ -46,6 +59,10 @@ pub struct NcclCollective {
     rank: usize,
     world_size: usize,
     device: i32,
+    /// How long one call may take; `None` on an NCCL without nonblocking communicators.
+    timeout: Option<Duration>,
+    /// Set when a call ran past its deadline and the communicator was aborted.
+    aborted: AtomicBool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time (the C ABI hands
@@ -55,13 +72,19 @@ unsafe impl Sync for NcclCollective {}
 
 impl NcclCollective {
     /// Joins the communicator of `world_size` ranks named by `id` as `rank`, on CUDA device
-    /// `device`. Blocks until every rank has joined (ncclCommInitRank's rule).
+    /// `device`, waiting for every rank to join for up to `timeout` (each later call has the
+    /// same deadline). An NCCL older than 2.14 has no nonblocking communicators: there the join
+    /// and the calls block without a deadline.
     pub fn new(
         id: &[u8; NCCL_UNIQUE_ID_BYTES],
         world_size: usize,
         rank: usize,
         device: i32,
+        timeout: Duration,
     ) -> Result<NcclCollective> {
+        if timeout.is_zero() {
+            return Err(Error::invalid("NCCL communicator: the timeout must be positive"));
+        }
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!(
                 "NCCL communicator: rank {rank} is outside a group of {world_size} ranks"
@@ -73,17 +96,95 @@ impl NcclCollective {
         driver()?.use_device(device)?;
         let unique = NcclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
         let mut comm: NcclComm = std::ptr::null_mut();
-        // SAFETY: the id is passed by value as NCCL declares; writes one handle.
-        lib.check(
-            unsafe { (lib.comm_init_rank)(&mut comm, nranks, unique, rank as c_int) },
-            "ncclCommInitRank",
-            std::ptr::null_mut(),
-        )?;
-        Ok(NcclCollective { lib, comm, rank, world_size, device })
+        let Some(nonblocking) = &lib.nonblocking else {
+            // SAFETY: the id is passed by value as NCCL declares; writes one handle.
+            let status = unsafe { (lib.comm_init_rank)(&mut comm, nranks, unique, rank as c_int) };
+            lib.check(status, "ncclCommInitRank", std::ptr::null_mut())?;
+            return Ok(NcclCollective::made(lib, comm, rank, world_size, device, None));
+        };
+        let mut config = NcclConfig::nonblocking();
+        // SAFETY: as above, with a config NCCL reads `size` bytes of; writes one handle.
+        let status = unsafe {
+            (nonblocking.comm_init_rank_config)(&mut comm, nranks, unique, rank as c_int, &mut config)
+        };
+        if comm.is_null() {
+            lib.check(status, "ncclCommInitRankConfig", comm)?;
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "NCCL: ncclCommInitRankConfig made no communicator",
+            ));
+        }
+        let made = NcclCollective::made(lib, comm, rank, world_size, device, Some(timeout));
+        made.finish(status, "ncclCommInitRankConfig (joining the communicator)", made.deadline())?;
+        Ok(made)
     }
 
-    fn check(&self, status: c_int, call: &str) -> Result<()> {
+    fn made(
+        lib: &'static Nccl,
+        comm: NcclComm,
+        rank: usize,
+        world_size: usize,
+        device: i32,
+        timeout: Option<Duration>,
+    ) -> NcclCollective {
+        NcclCollective { lib, comm, rank, world_size, device, timeout, aborted: AtomicBool::new(false) }
+    }
+
+    /// The deadline of a call starting now (none where NCCL blocks).
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.map(|timeout| Instant::now() + timeout)
+    }
+
+    /// The outcome of a call that returned `status`: on a nonblocking communicator a call in
+    /// progress is polled until it finishes or `deadline` passes, which aborts the communicator.
+    fn finish(&self, status: c_int, call: &str, deadline: Option<Instant>) -> Result<()> {
+        let mut status = status;
+        if let (Some(nonblocking), Some(deadline)) = (&self.lib.nonblocking, deadline) {
+            while status == NCCL_IN_PROGRESS {
+                if Instant::now() >= deadline {
+                    return Err(self.abort(call));
+                }
+                std::thread::sleep(Duration::from_micros(200));
+                // SAFETY: a live communicator; writes one result.
+                let query = unsafe { (nonblocking.comm_get_async_error)(self.comm, &mut status) };
+                self.lib.check(query, "ncclCommGetAsyncError", self.comm)?;
+            }
+        }
         self.lib.check(status, call, self.comm)
+    }
+
+    /// Aborts the communicator after `what` ran past the deadline, and says so.
+    fn abort(&self, what: &str) -> Error {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            if let Some(nonblocking) = &self.lib.nonblocking {
+                // SAFETY: a live communicator, aborted once (`aborted` was false).
+                unsafe { (nonblocking.comm_abort)(self.comm) };
+            }
+        }
+        let seconds = self.timeout.unwrap_or_default().as_secs_f64();
+        Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "NCCL: {what} did not finish within {seconds} s on rank {} of {}: a peer never made the \
+                 same call or died; the communicator was aborted (free it; make a new one to go on)",
+                self.rank, self.world_size
+            ),
+        )
+    }
+
+    /// A call's status, polled to its end when it is still in progress; refused after an abort.
+    fn check(&self, status: c_int, call: &str) -> Result<()> {
+        self.finish(status, call, self.deadline())
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(Error::new(
+                ErrorKind::State,
+                "NCCL: the communicator was aborted after a call ran past its deadline; free it",
+            ));
+        }
+        Ok(())
     }
 
     fn peer(&self, p: usize) -> c_int {
@@ -93,8 +194,11 @@ impl NcclCollective {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        // SAFETY: a communicator made by ncclCommInitRank, destroyed once. A failure cannot be
-        // reported from a destructor.
+        if self.aborted.load(Ordering::SeqCst) {
+            return; // ncclCommAbort freed it
+        }
+        // SAFETY: a communicator made by ncclCommInitRank(Config), destroyed once. A failure
+        // cannot be reported from a destructor.
         unsafe { (self.lib.comm_destroy)(self.comm) };
     }
 }
@@ -108,6 +212,7 @@ impl Collective for NcclCollective {
     }
 
     unsafe fn run(&self, op: CollectiveOp, b: Buffers) -> Result<()> {
+        self.usable()?;
         let (t, comm, stream) = (nccl_dtype(b.dtype), self.comm, b.stream.0);
         // SAFETY: the caller's device buffers and stream.
         let (status, call) = unsafe {
@@ -137,6 +242,7 @@ impl Collective for NcclCollective {
         stream: Stream,
     ) -> Result<()> {
         layout.check(self.world_size)?;
+        self.usable()?;
         let width = d.size();
         // SAFETY: group calls bracket the point-to-point calls; zero-count pairs are skipped
         // (NCCL uses zero-byte messages for synchronisation); the ranges are the caller's.
@@ -184,6 +290,11 @@ impl Collective for NcclCollective {
         let buffers = Buffers { send: at, recv: at, count: 1, dtype: Dtype::F64, stream };
         // SAFETY: one f64 of device memory, ordered on the legacy default stream.
         unsafe { self.run(CollectiveOp::AllReduce(o), buffers)? };
+        if let Some(deadline) = self.deadline() {
+            if !drv.wait_until(stream, deadline)? {
+                return Err(self.abort("the all-reduce of a host value"));
+            }
+        }
         let mut bytes = [0u8; 8];
         drv.read_back(&mut bytes, buf.ptr, stream)?;
         Ok(f64::from_ne_bytes(bytes))

@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 use std::ffi::c_void;
+use std::time::Duration;
 
 use super::dtype::dtype_arg;
 use super::error::FfiError;
@@ -18,7 +19,7 @@ use super::norm::{
 use super::panic::boundary;
 use crate::backend::cuda::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
-use crate::comm::nccl::{NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
+use crate::comm::nccl::{DEFAULT_TIMEOUT, NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
 use crate::comm::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, SingleRank, Stream};
 
 /// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
@@ -196,7 +197,8 @@ pub extern "C" fn fsdpturbo_nccl_unique_id(out_id: *mut u8) -> i32 {
 }
 
 /// Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
-/// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made. Blocks until all ranks joined.
+/// unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made; waits until all ranks joined,
+/// at most 600 s, as every later call (fsdpturbo_comm_nccl_new_with_timeout sets the limit).
 /// Free it with fsdpturbo_comm_free on every rank. Buffers of its collectives are device memory.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_comm_nccl_new(
@@ -206,10 +208,29 @@ pub extern "C" fn fsdpturbo_comm_nccl_new(
     device: i32,
     out_comm: *mut *mut fsdpturbo_comm_t,
 ) -> i32 {
+    let timeout_ms = DEFAULT_TIMEOUT.as_millis() as u64;
+    fsdpturbo_comm_nccl_new_with_timeout(id, world_size, rank, device, timeout_ms, out_comm)
+}
+
+/// fsdpturbo_comm_nccl_new with the deadline of joining and of every call on the communicator:
+/// a call NCCL has not finished within `timeout_ms` milliseconds (a peer that never makes it, or
+/// died) aborts the communicator and fails with FSDPTURBO_ERR_UNAVAILABLE; later calls fail with
+/// FSDPTURBO_ERR_STATE. NCCL before 2.14 has no nonblocking communicators: there calls block
+/// without a deadline.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_comm_nccl_new_with_timeout(
+    id: *const u8,
+    world_size: usize,
+    rank: usize,
+    device: i32,
+    timeout_ms: u64,
+    out_comm: *mut *mut fsdpturbo_comm_t,
+) -> i32 {
     boundary(|| {
         let id = arg_slice(id, NCCL_UNIQUE_ID_BYTES, "id")?;
         let id: [u8; NCCL_UNIQUE_ID_BYTES] = id.try_into().expect("the slice has the id's length");
-        comm_out(out_comm, Box::new(NcclCollective::new(&id, world_size, rank, device)?))
+        let timeout = Duration::from_millis(timeout_ms);
+        comm_out(out_comm, Box::new(NcclCollective::new(&id, world_size, rank, device, timeout)?))
     })
 }
 

@@ -63,6 +63,7 @@ pub struct Driver {
     memcpy_htod_async: unsafe extern "C" fn(CUdeviceptr, *const c_void, usize, CUstream) -> CUresult,
     memset_d8_async: unsafe extern "C" fn(CUdeviceptr, u8, usize, CUstream) -> CUresult,
     stream_synchronize: unsafe extern "C" fn(CUstream) -> CUresult,
+    stream_query: unsafe extern "C" fn(CUstream) -> CUresult,
     mem_alloc: unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult,
     mem_free: unsafe extern "C" fn(CUdeviceptr) -> CUresult,
     /// Primary contexts retained by this library, per device ordinal (never released: the
@@ -102,6 +103,7 @@ impl Driver {
                 memcpy_htod_async: lib.required("cuMemcpyHtoDAsync_v2")?,
                 memset_d8_async: lib.required("cuMemsetD8Async")?,
                 stream_synchronize: lib.required("cuStreamSynchronize")?,
+                stream_query: lib.required("cuStreamQuery")?,
                 mem_alloc: lib.required("cuMemAlloc_v2")?,
                 mem_free: lib.required("cuMemFree_v2")?,
                 contexts: Mutex::new(HashMap::new()),
@@ -275,6 +277,23 @@ impl Driver {
         )?;
         // SAFETY: the caller's stream.
         self.check(unsafe { (self.stream_synchronize)(stream.0) }, "cuStreamSynchronize")
+    }
+
+    /// Waits for the work ordered on `stream` until `deadline`: true when it finished, false when
+    /// the deadline passed first (the work may still run).
+    pub fn wait_until(&self, stream: Stream, deadline: std::time::Instant) -> Result<bool> {
+        const CUDA_ERROR_NOT_READY: CUresult = 600;
+        loop {
+            // SAFETY: the caller's stream.
+            let status = unsafe { (self.stream_query)(stream.0) };
+            if status != CUDA_ERROR_NOT_READY {
+                return self.check(status, "cuStreamQuery").map(|()| true);
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 
     /// Copies host bytes to device memory, ordered on `stream`. The driver stages pageable memory

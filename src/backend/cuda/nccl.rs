@@ -16,6 +16,36 @@ pub type CudaStream = *mut c_void;
 
 pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
 
+/// `ncclInProgress`: a call on a nonblocking communicator that has not finished yet.
+pub const NCCL_IN_PROGRESS: NcclResult = 7;
+
+/// The head of nccl.h's `ncclConfig_t` as NCCL 2.14 laid it out (the first version with a
+/// config). NCCL copies `size` bytes of it over its defaults and treats the fields that a
+/// struct of `version` lacks as unset, so later fields keep NCCL's defaults.
+#[repr(C)]
+pub struct NcclConfig {
+    pub size: usize,
+    pub magic: std::ffi::c_uint,
+    pub version: std::ffi::c_uint,
+    pub blocking: c_int,
+    pub cga_cluster_size: c_int,
+}
+
+impl NcclConfig {
+    /// A nonblocking communicator (its calls return `NCCL_IN_PROGRESS` until they finish, which
+    /// `ncclCommGetAsyncError` reports), everything else NCCL's default.
+    pub fn nonblocking() -> NcclConfig {
+        const NCCL_CONFIG_UNDEF_INT: c_int = c_int::MIN;
+        NcclConfig {
+            size: std::mem::size_of::<NcclConfig>(),
+            magic: 0xcafe_beef,
+            version: 21400,
+            blocking: 0,
+            cga_cluster_size: NCCL_CONFIG_UNDEF_INT,
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct NcclUniqueId {
@@ -51,6 +81,15 @@ type Recv = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, Cud
 type Gather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, CudaStream) -> NcclResult;
 
+/// What a nonblocking communicator needs (NCCL 2.14 and later): without it communicators
+/// block and have no deadline.
+pub struct NcclNonblocking {
+    pub comm_init_rank_config:
+        unsafe extern "C" fn(*mut NcclComm, c_int, NcclUniqueId, c_int, *mut NcclConfig) -> NcclResult,
+    pub comm_get_async_error: unsafe extern "C" fn(NcclComm, *mut NcclResult) -> NcclResult,
+    pub comm_abort: unsafe extern "C" fn(NcclComm) -> NcclResult,
+}
+
 pub struct Nccl {
     lib: Loaded,
     pub get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
@@ -68,6 +107,7 @@ pub struct Nccl {
     pub group_end: unsafe extern "C" fn() -> NcclResult,
     /// Equal-count all-to-all, NCCL 2.28.3 and later.
     pub all_to_all: Option<Gather>,
+    pub nonblocking: Option<NcclNonblocking>,
 }
 
 // SAFETY: function pointers into a library that is never unloaded; NCCL's API is thread-safe
@@ -102,6 +142,13 @@ impl Nccl {
                 group_start: lib.required("ncclGroupStart")?,
                 group_end: lib.required("ncclGroupEnd")?,
                 all_to_all: lib.optional("ncclAlltoAll"),
+                nonblocking: (|| {
+                    Some(NcclNonblocking {
+                        comm_init_rank_config: lib.optional("ncclCommInitRankConfig")?,
+                        comm_get_async_error: lib.optional("ncclCommGetAsyncError")?,
+                        comm_abort: lib.optional("ncclCommAbort")?,
+                    })
+                })(),
                 lib,
             })
         }

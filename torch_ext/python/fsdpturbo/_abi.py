@@ -308,6 +308,7 @@ FUNCTIONS = {
     'fsdpturbo_nccl_version': (_c.c_int32, [_c.POINTER(_c.c_int32)]),
     'fsdpturbo_nccl_unique_id': (_c.c_int32, [_c.c_char_p]),
     'fsdpturbo_comm_nccl_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_void_p)]),
+    'fsdpturbo_comm_nccl_new_with_timeout': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_comm_free': (None, [_c.c_void_p]),
     'fsdpturbo_comm_rank': (_c.c_int32, [_c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t)]),
     'fsdpturbo_comm_all_reduce': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),

@@ -1,0 +1,135 @@
+//! The deadline of the library's NCCL communicator, over the C doubles of the CUDA driver and
+//! NCCL (tests/doubles: ranks are threads, a nonblocking call stays in progress until every
+//! rank has made it): a rank that never joins or never makes a collective fails its peers
+//! within the deadline, aborting the communicator, instead of leaving them waiting.
+
+mod doubles;
+
+use std::sync::MutexGuard;
+use std::time::{Duration, Instant};
+
+use fsdpturbo::comm::nccl::{NcclCollective, unique_id};
+use fsdpturbo::comm::{Collective, ReduceOp};
+use fsdpturbo::error::ErrorKind;
+
+const SHORT: Duration = Duration::from_millis(300);
+const LONG: Duration = Duration::from_secs(20);
+
+/// Points the CUDA and NCCL loaders at the doubles (before this binary's first load) and
+/// serialises the tests (they read the doubles' counters).
+fn setup() -> MutexGuard<'static, ()> {
+    let guard = doubles::lock();
+    let dir = doubles::dir().join("cuda");
+    // SAFETY: the tests of this binary hold `lock()` while touching the environment.
+    unsafe {
+        std::env::set_var("FSDPTURBO_CUDA_PATH", dir.join("libcuda.so"));
+        std::env::set_var("FSDPTURBO_NCCL_PATH", dir.join("libnccl.so"));
+    }
+    guard
+}
+
+/// The double's count of communicators freed by `ncclCommAbort` or `ncclCommDestroy`.
+fn freed(counter: &str) -> i32 {
+    let lib = unsafe { libloading::Library::new(doubles::dir().join("cuda/libnccl.so")) }.unwrap();
+    let f: libloading::Symbol<unsafe extern "C" fn() -> i32> =
+        unsafe { lib.get(counter.as_bytes()) }.unwrap();
+    unsafe { f() }
+}
+
+fn aborts() -> i32 {
+    freed("fsdpturbo_nccl_double_aborts")
+}
+
+fn destroys() -> i32 {
+    freed("fsdpturbo_nccl_double_destroys")
+}
+
+/// Runs `f(rank, communicator)` on one thread per rank of a fresh communicator of `world`.
+fn on_ranks<T: Send>(world: usize, f: impl Fn(usize, NcclCollective) -> T + Sync) -> Vec<T> {
+    let id = unique_id().unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let f = &f;
+                s.spawn(move || f(rank, NcclCollective::new(&id, world, rank, rank as i32, LONG).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn ranks_that_all_join_reduce_and_free_their_communicators() {
+    let _guard = setup();
+    let (aborted, destroyed) = (aborts(), destroys());
+    let sums = on_ranks(3, |rank, comm| {
+        assert_eq!((comm.rank(), comm.world_size()), (rank, 3));
+        comm.all_reduce_host_f64(rank as f64 + 0.5, ReduceOp::Sum).unwrap()
+    });
+    assert_eq!(sums, vec![4.5; 3]);
+    assert_eq!((aborts() - aborted, destroys() - destroyed), (0, 3));
+}
+
+#[test]
+fn a_rank_that_never_joins_fails_the_others_within_the_deadline() {
+    let _guard = setup();
+    let aborted = aborts();
+    let id = unique_id().unwrap();
+    let start = Instant::now();
+    let err = NcclCollective::new(&id, 2, 0, 0, SHORT).err().expect("rank 1 never joins");
+    assert!(start.elapsed() < SHORT + Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert_eq!(err.kind, ErrorKind::Unavailable);
+    assert!(
+        err.message.contains(
+            "ncclCommInitRankConfig (joining the communicator) did not finish within 0.3 s on rank 0 of 2"
+        ),
+        "{}",
+        err.message
+    );
+    assert_eq!(aborts() - aborted, 1, "the half-made communicator is aborted");
+}
+
+#[test]
+fn a_rank_that_never_makes_the_collective_aborts_it_on_the_others() {
+    let _guard = setup();
+    let (aborted, destroyed) = (aborts(), destroys());
+    let id = unique_id().unwrap();
+    let outcomes = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let comm =
+                        NcclCollective::new(&id, 2, rank, 0, if rank == 0 { SHORT } else { LONG }).unwrap();
+                    if rank == 1 {
+                        return None; // leaves without the all-reduce: its communicator is destroyed
+                    }
+                    let start = Instant::now();
+                    let first = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
+                    let elapsed = start.elapsed();
+                    let again = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
+                    Some((first, elapsed, again))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    let (first, elapsed, again) = outcomes.into_iter().flatten().next().unwrap();
+    assert!(elapsed < SHORT + Duration::from_secs(5), "took {elapsed:?}");
+    assert_eq!(first.kind, ErrorKind::Unavailable);
+    assert!(
+        first.message.contains("ncclAllReduce did not finish within 0.3 s on rank 0 of 2"),
+        "{}",
+        first.message
+    );
+    assert_eq!(again.kind, ErrorKind::State);
+    assert!(again.message.contains("was aborted"), "{}", again.message);
+    assert_eq!((aborts() - aborted, destroys() - destroyed), (1, 1), "rank 0 aborted, rank 1 destroyed");
+}
+
+#[test]
+fn a_zero_timeout_is_refused() {
+    let _guard = setup();
+    let err = NcclCollective::new(&unique_id().unwrap(), 1, 0, 0, Duration::ZERO).err().unwrap();
+    assert_eq!(err.kind, ErrorKind::InvalidArgument);
+    assert!(err.message.contains("the timeout must be positive"), "{}", err.message);
+}

@@ -95,12 +95,21 @@ impl NcclCollective {
         let lib = nccl()?;
         driver()?.use_device(device)?;
         let unique = NcclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
+        let made = |comm, timeout| NcclCollective {
+            lib,
+            comm,
+            rank,
+            world_size,
+            device,
+            timeout,
+            aborted: AtomicBool::new(false),
+        };
         let mut comm: NcclComm = std::ptr::null_mut();
         let Some(nonblocking) = &lib.nonblocking else {
             // SAFETY: the id is passed by value as NCCL declares; writes one handle.
             let status = unsafe { (lib.comm_init_rank)(&mut comm, nranks, unique, rank as c_int) };
             lib.check(status, "ncclCommInitRank", std::ptr::null_mut())?;
-            return Ok(NcclCollective::made(lib, comm, rank, world_size, device, None));
+            return Ok(made(comm, None));
         };
         let mut config = NcclConfig::nonblocking();
         // SAFETY: as above, with a config NCCL reads `size` bytes of; writes one handle.
@@ -114,20 +123,9 @@ impl NcclCollective {
                 "NCCL: ncclCommInitRankConfig made no communicator",
             ));
         }
-        let made = NcclCollective::made(lib, comm, rank, world_size, device, Some(timeout));
+        let made = made(comm, Some(timeout));
         made.finish(status, "ncclCommInitRankConfig (joining the communicator)", made.deadline())?;
         Ok(made)
-    }
-
-    fn made(
-        lib: &'static Nccl,
-        comm: NcclComm,
-        rank: usize,
-        world_size: usize,
-        device: i32,
-        timeout: Option<Duration>,
-    ) -> NcclCollective {
-        NcclCollective { lib, comm, rank, world_size, device, timeout, aborted: AtomicBool::new(false) }
     }
 
     /// The deadline of a call starting now (none where NCCL blocks).

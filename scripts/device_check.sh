@@ -9,7 +9,8 @@
 # Steps (each prints PASS/FAIL): build the op library against this host's torch (CMake with
 # FSDPTURBO_BUILD_RUST=OFF; torch.utils.cpp_extension as a fallback), the GPU tests
 # (tests/python/test_cuda_ops.py: every kernel vs torch on fresh random data, grouped GEMM
-# forward/backward on each path, grad norm, a one-rank NCCL communicator through our loader), the
+# forward/backward on each path, grad norm, a one-rank NCCL communicator through our loader and
+# the deadline of a two-rank one whose peer never joins), the
 # capacity-bounded dispatch (tests/python/test_cuda_graph.py: no host sync, one CUDA graph of
 # forward + backward replayed equal to eager, fullgraph compile),
 # the CPU-side backend tests, the C++ trainer through NCCL (one rank), then the benchmark tables

@@ -164,10 +164,15 @@ def nccl_unique_id():
     return buf.raw
 
 
-def nccl_comm(unique_id, world_size, rank, device):
-    """Joins an NCCL communicator through the library's loader (CUDA `device` ordinal)."""
+def nccl_comm(unique_id, world_size, rank, device, timeout_ms=None):
+    """Joins an NCCL communicator through the library's loader (CUDA `device` ordinal), with the
+    library's default deadline or `timeout_ms`."""
     handle = _c.c_void_p()
-    check(lib.fsdpturbo_comm_nccl_new(unique_id, world_size, rank, device, _c.byref(handle)))
+    if timeout_ms is None:
+        check(lib.fsdpturbo_comm_nccl_new(unique_id, world_size, rank, device, _c.byref(handle)))
+    else:
+        check(lib.fsdpturbo_comm_nccl_new_with_timeout(unique_id, world_size, rank, device, timeout_ms,
+                                                        _c.byref(handle)))
     return Comm(handle, auto_free=False)
 
 

@@ -13,6 +13,7 @@ import torch
 
 import fsdpturbo
 import native_comm
+from fsdpturbo._native import FSDPTurboError
 
 ops = fsdpturbo.ops
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -239,6 +240,15 @@ def test_one_rank_nccl_all_reduce_through_our_loader():
         assert torch.equal(recv, send)
     finally:
         c.free()
+
+
+def test_an_nccl_communicator_a_peer_never_joins_fails_within_its_deadline():
+    """The real NCCL's nonblocking join (tests/nccl_deadline.rs checks the same over doubles):
+    rank 1 of 2 never comes, so rank 0's join stays in progress until the deadline aborts it."""
+    start = time.monotonic()
+    with pytest.raises(FSDPTurboError, match=r"did not finish within 3 s on rank 0 of 2"):
+        native_comm.nccl_comm(native_comm.nccl_unique_id(), 2, 0, torch.cuda.current_device(), timeout_ms=3000)
+    assert time.monotonic() - start < 60
 
 
 def test_nccl_comm_from_a_gloo_group_id_broadcast(tmp_path):

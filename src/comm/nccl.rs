@@ -124,8 +124,13 @@ impl NcclCollective {
             ));
         }
         let made = made(comm, Some(timeout));
-        made.finish(status, "ncclCommInitRankConfig (joining the communicator)", made.deadline())?;
-        Ok(made)
+        match made.finish(status, "ncclCommInitRankConfig (joining the communicator)", made.deadline()) {
+            Ok(()) => Ok(made),
+            Err(err) => {
+                made.abort_once(); // a communicator that failed to join is aborted, not destroyed
+                Err(err)
+            }
+        }
     }
 
     /// The deadline of a call starting now (none where NCCL blocks).
@@ -151,14 +156,18 @@ impl NcclCollective {
         self.lib.check(status, call, self.comm)
     }
 
-    /// Aborts the communicator after `what` ran past the deadline, and says so.
-    fn abort(&self, what: &str) -> Error {
+    fn abort_once(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
             if let Some(nonblocking) = &self.lib.nonblocking {
                 // SAFETY: a live communicator, aborted once (`aborted` was false).
                 unsafe { (nonblocking.comm_abort)(self.comm) };
             }
         }
+    }
+
+    /// Aborts the communicator after `what` ran past the deadline, and says so.
+    fn abort(&self, what: &str) -> Error {
+        self.abort_once();
         let seconds = self.timeout.unwrap_or_default().as_secs_f64();
         Error::new(
             ErrorKind::Unavailable,

@@ -1,6 +1,7 @@
-//! Builds the C test doubles of the CANN libraries (libraries.txt, the list CMake builds for
-//! ctest's Python suite too) for cargo's tests, with the C compiler of the target the tests are
-//! built for (build.rs), and points libfsdpturbo's loaders at them.
+//! Builds the C test doubles of the CANN libraries, and of the CUDA driver and NCCL
+//! (libraries.txt, the list CMake builds for ctest's Python suite too) for cargo's tests, with
+//! the C compiler of the target the tests are built for (build.rs), and points libfsdpturbo's
+//! Ascend loaders at them.
 // Shared by several test binaries, each of which uses a part.
 #![allow(dead_code)]
 
@@ -45,8 +46,9 @@ fn compile(dir: &Path, flags: &[&str], line: &str) {
     assert!(status.success(), "compiling {sources:?} failed");
 }
 
-/// The directory holding libascendcl.so, libhccl.so, libopapi.so, libnnopbase.so (doubles) and
-/// v4only/libopapi.so (no aclnnGroupedMatmulV5). Built once per test binary.
+/// The directory holding libascendcl.so, libhccl.so, libopapi.so, libnnopbase.so (doubles),
+/// v4only/libopapi.so (no aclnnGroupedMatmulV5) and cuda/libcuda.so, cuda/libnccl.so. Built once
+/// per test binary.
 pub fn dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {

@@ -4,7 +4,8 @@ layouts) and are compared with the same trainer's plain `fsdp2` on the same data
 per-step loss, the grad norm LlamaFactory logs (its own `clip_grad_norm_`), the Hugging Face
 weights it saves, and (SFT) resumption from its DCP checkpoints at the same and at the other ep
 size; an adapter on the experts resumed through `adapter_name_or_path` saved whole (no
-reference: its fsdp2 fails on it); and SFT at cp 2 (Ulysses) on Qwen3-MoE and Qwen3.5-MoE.
+reference: its fsdp2 fails on it); SFT of Qwen3.5-MoE (the seed's model family); and SFT at cp 2
+(Ulysses) on Qwen3-MoE and Qwen3.5-MoE.
 
 Every run: 4 optimizer steps of global batch 8 in micro-batches of 1 (gradient accumulation), activation
 checkpointing on (LlamaFactory's default), fp32. The cases are folded into few launches: each
@@ -139,6 +140,8 @@ CASES = [
     Case("cp2_ep2_efsdp2_eager_plugin_fixed", turbo(2, "eager"), cp=2, plugin_cp_fixed=True, nproc=8),
     Case("cp2_ep4_fused_plugin_fixed", turbo(4, "fused"), cp=2, plugin_cp_fixed=True, nproc=8),
     Case("fsdp2_full_qwen3_5_moe", FSDP2, family="qwen3_5_moe"),
+    Case("ep2_eager_meta_qwen3_5_moe", turbo(2, "eager"), family="qwen3_5_moe"),
+    Case("ep4_fused_default_qwen3_5_moe", turbo(4, "fused"), init="init_on_default", family="qwen3_5_moe"),
     Case("fsdp2_full_cp2_qwen3_5_moe", FSDP2, cp=2, family="qwen3_5_moe"),
     Case("cp2_ep2_fused_plugin_fixed_qwen3_5_moe", turbo(2, "fused"), cp=2, plugin_cp_fixed=True,
          family="qwen3_5_moe"),

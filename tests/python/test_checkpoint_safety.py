@@ -90,6 +90,17 @@ def test_a_trailing_slash_names_the_same_checkpoint(tmp_path):
     assert load_checkpoint(model, None, where)["step"] == 2 and _first_value(model) == 2.0
 
 
+def test_a_save_makes_the_directories_above_its_path(tmp_path):
+    """`ckpt/step-500` before any `ckpt/` exists, as a trainer's first save names it."""
+    from fsdpturbo import load_checkpoint, save_checkpoint
+
+    where = tmp_path / "run" / "ckpt" / "step-500"
+    save_checkpoint(_model(3.0), None, where, extra={"step": 500})
+    assert sorted(os.listdir(where.parent)) == ["step-500"]
+    model = _model(0.0)
+    assert load_checkpoint(model, None, where)["step"] == 500 and _first_value(model) == 3.0
+
+
 def test_a_save_waits_for_the_pending_save_to_the_same_path(tmp_path):
     """An asynchronous save not yet waited, then another save to the same path: the second
     completes the first before it starts, so the result is the second save, whole."""

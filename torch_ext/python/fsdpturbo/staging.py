@@ -52,8 +52,10 @@ def _check_old(path, ours, hint):
 
 
 def new_staging(path):
-    """Creates and returns a staging directory of its own next to `path`."""
+    """Creates and returns a staging directory of its own next to `path` (and the directories
+    above it that do not exist yet: `ckpt/step-500` with no `ckpt`)."""
     staging = f"{path}.partial-{uuid.uuid4().hex[:12]}"
+    os.makedirs(os.path.dirname(staging) or ".", exist_ok=True)
     os.mkdir(staging)
     return staging
 

@@ -1,16 +1,17 @@
 //! The deadline of the library's NCCL communicator, over the C doubles of the CUDA driver and
 //! NCCL (tests/doubles: ranks are threads, a nonblocking call stays in progress until every
 //! rank has made it): a rank that never joins or never makes a collective fails its peers
-//! within the deadline, aborting the communicator, instead of leaving them waiting.
+//! within the deadline, and one that left fails them at once (NCCL's asynchronous error), each
+//! aborting the communicator, instead of leaving them waiting.
 
 mod doubles;
 
-use std::sync::MutexGuard;
+use std::sync::{Barrier, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fsdpturbo::comm::nccl::{NcclCollective, unique_id};
 use fsdpturbo::comm::{Collective, ReduceOp};
-use fsdpturbo::error::ErrorKind;
+use fsdpturbo::error::{Error, ErrorKind};
 
 const SHORT: Duration = Duration::from_millis(300);
 const LONG: Duration = Duration::from_secs(20);
@@ -89,32 +90,38 @@ fn a_rank_that_never_joins_fails_the_others_within_the_deadline() {
     assert_eq!(aborts() - aborted, 1, "the half-made communicator is aborted");
 }
 
+/// Two ranks join; rank 0 (deadline `timeout`) calls the host all-reduce twice while rank 1
+/// never does: it keeps its communicator until rank 0 is done (`peer_stays`) or frees it at
+/// once. Returns rank 0's two errors and how long the first took.
+fn rank0_alone_in_the_collective(timeout: Duration, peer_stays: bool) -> (Error, Duration, Error) {
+    let id = unique_id().unwrap();
+    let rank0_done = Barrier::new(2);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let comm = NcclCollective::new(&id, 2, 1, 0, LONG).unwrap();
+            if peer_stays {
+                rank0_done.wait();
+            }
+            drop(comm);
+        });
+        let comm = NcclCollective::new(&id, 2, 0, 0, timeout).unwrap();
+        let start = Instant::now();
+        let first = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
+        let elapsed = start.elapsed();
+        let again = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
+        if peer_stays {
+            rank0_done.wait();
+        }
+        (first, elapsed, again)
+    })
+}
+
 #[test]
 fn a_rank_that_never_makes_the_collective_aborts_it_on_the_others() {
     let _guard = setup();
     let (aborted, destroyed) = (aborts(), destroys());
-    let id = unique_id().unwrap();
-    let outcomes = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                s.spawn(move || {
-                    let comm =
-                        NcclCollective::new(&id, 2, rank, 0, if rank == 0 { SHORT } else { LONG }).unwrap();
-                    if rank == 1 {
-                        return None; // leaves without the all-reduce: its communicator is destroyed
-                    }
-                    let start = Instant::now();
-                    let first = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
-                    let elapsed = start.elapsed();
-                    let again = comm.all_reduce_host_f64(1.0, ReduceOp::Sum).unwrap_err();
-                    Some((first, elapsed, again))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-    });
-    let (first, elapsed, again) = outcomes.into_iter().flatten().next().unwrap();
-    assert!(elapsed < SHORT + Duration::from_secs(5), "took {elapsed:?}");
+    let (first, elapsed, again) = rank0_alone_in_the_collective(SHORT, true);
+    assert!(elapsed >= SHORT && elapsed < SHORT + Duration::from_secs(5), "took {elapsed:?}");
     assert_eq!(first.kind, ErrorKind::Unavailable);
     assert!(
         first.message.contains("ncclAllReduce did not finish within 0.3 s on rank 0 of 2"),
@@ -123,6 +130,25 @@ fn a_rank_that_never_makes_the_collective_aborts_it_on_the_others() {
     );
     assert_eq!(again.kind, ErrorKind::State);
     assert!(again.message.contains("was aborted"), "{}", again.message);
+    assert_eq!((aborts() - aborted, destroys() - destroyed), (1, 1), "rank 0 aborted, rank 1 destroyed");
+}
+
+#[test]
+fn a_rank_that_left_fails_the_collective_at_once_and_aborts_it() {
+    let _guard = setup();
+    let (aborted, destroyed) = (aborts(), destroys());
+    let (first, elapsed, again) = rank0_alone_in_the_collective(LONG, false);
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "took {elapsed:?}: NCCL's error was not seen before the deadline"
+    );
+    assert_eq!(first.kind, ErrorKind::Unavailable);
+    assert!(
+        first.message.contains("ncclAllReduce failed with 6 (remote process exited"),
+        "{}",
+        first.message
+    );
+    assert_eq!(again.kind, ErrorKind::State);
     assert_eq!((aborts() - aborted, destroys() - destroyed), (1, 1), "rank 0 aborted, rank 1 destroyed");
 }
 

@@ -139,9 +139,10 @@ impl NcclCollective {
     }
 
     /// The outcome of a call that returned `status`: on a nonblocking communicator a call in
-    /// progress is polled until it finishes or `deadline` passes, which aborts the communicator.
+    /// progress is polled until it finishes or `deadline` passes, which aborts the communicator;
+    /// so does an error it finishes with (NCCL's asynchronous errors leave it unusable).
     fn finish(&self, status: c_int, call: &str, deadline: Option<Instant>) -> Result<()> {
-        let mut status = status;
+        let (mut status, polled) = (status, status == NCCL_IN_PROGRESS);
         if let (Some(nonblocking), Some(deadline)) = (&self.lib.nonblocking, deadline) {
             while status == NCCL_IN_PROGRESS {
                 if Instant::now() >= deadline {
@@ -153,7 +154,11 @@ impl NcclCollective {
                 self.lib.check(query, "ncclCommGetAsyncError", self.comm)?;
             }
         }
-        self.lib.check(status, call, self.comm)
+        let outcome = self.lib.check(status, call, self.comm);
+        if outcome.is_err() && polled {
+            self.abort_once();
+        }
+        outcome
     }
 
     fn abort_once(&self) {
@@ -188,7 +193,7 @@ impl NcclCollective {
         if self.aborted.load(Ordering::SeqCst) {
             return Err(Error::new(
                 ErrorKind::State,
-                "NCCL: the communicator was aborted after a call ran past its deadline; free it",
+                "NCCL: the communicator was aborted after a call failed or ran past its deadline; free it",
             ));
         }
         Ok(())

@@ -2,7 +2,8 @@
  * (tests/nccl_deadline.rs): the ranks are threads of one process, "device" buffers host memory
  * (the CUDA driver double's). A communicator made with a config whose `blocking` is 0 is
  * nonblocking as NCCL's are: joining, and each all-reduce, returns ncclInProgress until every
- * rank has made the same call, which ncclCommGetAsyncError then reports as ncclSuccess. Only
+ * rank has made the same call, which ncclCommGetAsyncError then reports as ncclSuccess, or as
+ * ncclRemoteError once a rank has left the joined communicator (aborted or destroyed). Only
  * the float32/float64 sum all-reduce computes; the other collectives fail as unsupported.
  * fsdpturbo_nccl_double_aborts() and _destroys() count what freed communicators. */
 #include <pthread.h>
@@ -25,7 +26,7 @@ typedef struct { /* the head of ncclConfig_t, NCCL 2.14 */
 
 typedef struct Clique {
   char id[NCCL_UNIQUE_ID_BYTES];
-  int nranks, joined, live;
+  int nranks, joined, live, left; /* left: ranks that freed their communicator after all joined */
   uint64_t generation; /* all-reduces completed */
   int arrived;
   const void *send[MAX_RANKS];
@@ -56,6 +57,7 @@ DOUBLE_EXPORT const char *ncclGetErrorString(ncclResult_t result) {
     case ncclInvalidArgument: return "invalid argument";
     case ncclInvalidUsage: return "invalid usage";
     case ncclInProgress: return "NCCL operation in progress";
+    case ncclRemoteError: return "remote process exited or there was a network error";
     default: return "unhandled error";
   }
 }
@@ -127,8 +129,10 @@ DOUBLE_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, 
 
 DOUBLE_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *state) {
   pthread_mutex_lock(&lock);
-  *state = all_joined(comm) && reduce_done(comm) ? ncclSuccess : ncclInProgress;
-  if (*state == ncclSuccess) comm->pending = 0;
+  *state = all_joined(comm) && reduce_done(comm) ? ncclSuccess
+           : comm->clique->left > 0               ? ncclRemoteError
+                                                  : ncclInProgress;
+  if (*state != ncclInProgress) comm->pending = 0;
   pthread_mutex_unlock(&lock);
   return ncclSuccess;
 }
@@ -137,6 +141,7 @@ static void release(ncclComm_t comm, int *counter) {
   pthread_mutex_lock(&lock);
   Clique *c = comm->clique;
   if (comm->pending && c->arrived > 0) c->arrived--; /* its buffers leave with it */
+  if (c->joined == c->nranks) c->left++;
   if (--c->live == 0) {
     Clique **p = &cliques;
     while (*p != c) p = &(*p)->next;

@@ -61,7 +61,8 @@ pub struct NcclCollective {
     device: i32,
     /// How long one call may take; `None` on an NCCL without nonblocking communicators.
     timeout: Option<Duration>,
-    /// Set when a call ran past its deadline and the communicator was aborted.
+    /// Set when the communicator was aborted (a call ran past its deadline, or NCCL reported an
+    /// error for a call in progress).
     aborted: AtomicBool,
 }
 
@@ -124,7 +125,7 @@ impl NcclCollective {
             ));
         }
         let made = made(comm, Some(timeout));
-        match made.finish(status, "ncclCommInitRankConfig (joining the communicator)", made.deadline()) {
+        match made.check(status, "ncclCommInitRankConfig (joining the communicator)") {
             Ok(()) => Ok(made),
             Err(err) => {
                 made.abort_once(); // a communicator that failed to join is aborted, not destroyed
@@ -139,11 +140,12 @@ impl NcclCollective {
     }
 
     /// The outcome of a call that returned `status`: on a nonblocking communicator a call in
-    /// progress is polled until it finishes or `deadline` passes, which aborts the communicator;
-    /// so does an error it finishes with (NCCL's asynchronous errors leave it unusable).
-    fn finish(&self, status: c_int, call: &str, deadline: Option<Instant>) -> Result<()> {
+    /// progress is polled until it finishes or its deadline passes, which aborts the
+    /// communicator; so does an error it finishes with (NCCL's asynchronous errors leave it
+    /// unusable).
+    fn check(&self, status: c_int, call: &str) -> Result<()> {
         let (mut status, polled) = (status, status == NCCL_IN_PROGRESS);
-        if let (Some(nonblocking), Some(deadline)) = (&self.lib.nonblocking, deadline) {
+        if let (Some(nonblocking), Some(deadline)) = (&self.lib.nonblocking, self.deadline()) {
             while status == NCCL_IN_PROGRESS {
                 if Instant::now() >= deadline {
                     return Err(self.abort(call));
@@ -182,11 +184,6 @@ impl NcclCollective {
                 self.rank, self.world_size
             ),
         )
-    }
-
-    /// A call's status, polled to its end when it is still in progress; refused after an abort.
-    fn check(&self, status: c_int, call: &str) -> Result<()> {
-        self.finish(status, call, self.deadline())
     }
 
     fn usable(&self) -> Result<()> {

@@ -72,6 +72,20 @@ fn ranks_that_all_join_reduce_and_free_their_communicators() {
 }
 
 #[test]
+fn an_error_nccl_returns_at_once_leaves_the_communicator_usable() {
+    let _guard = setup();
+    let aborted = aborts();
+    let sums = on_ranks(2, |rank, comm| {
+        // The double computes sums only: NCCL's synchronous invalid-usage error.
+        let err = comm.all_reduce_host_f64(1.0, ReduceOp::Max).unwrap_err();
+        assert!(err.message.contains("ncclAllReduce failed with 5 (invalid usage)"), "{}", err.message);
+        comm.all_reduce_host_f64(rank as f64, ReduceOp::Sum).unwrap()
+    });
+    assert_eq!(sums, vec![1.0; 2]);
+    assert_eq!(aborts() - aborted, 0);
+}
+
+#[test]
 fn a_rank_that_never_joins_fails_the_others_within_the_deadline() {
     let _guard = setup();
     let aborted = aborts();

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use super::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, Stream};
 use crate::backend::cuda::driver::driver;
-use crate::backend::cuda::nccl::{self, NCCL_IN_PROGRESS, Nccl, NcclComm, NcclConfig, NcclUniqueId, nccl};
+use crate::backend::cuda::nccl::{
+    self, NCCL_IN_PROGRESS, Nccl, NcclComm, NcclConfig, NcclNonblocking, NcclUniqueId, nccl,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 pub use crate::backend::cuda::nccl::NCCL_UNIQUE_ID_BYTES;
@@ -144,23 +146,42 @@ impl NcclCollective {
     /// communicator; so does an error it finishes with (NCCL's asynchronous errors leave it
     /// unusable).
     fn check(&self, status: c_int, call: &str) -> Result<()> {
-        let (mut status, polled) = (status, status == NCCL_IN_PROGRESS);
-        if let (Some(nonblocking), Some(deadline)) = (&self.lib.nonblocking, self.deadline()) {
-            while status == NCCL_IN_PROGRESS {
-                if Instant::now() >= deadline {
-                    return Err(self.abort(call));
-                }
-                std::thread::sleep(Duration::from_micros(200));
-                // SAFETY: a live communicator; writes one result.
-                let query = unsafe { (nonblocking.comm_get_async_error)(self.comm, &mut status) };
-                self.lib.check(query, "ncclCommGetAsyncError", self.comm)?;
-            }
-        }
+        let in_progress = status == NCCL_IN_PROGRESS;
+        let status = match (&self.lib.nonblocking, self.deadline()) {
+            (Some(nonblocking), Some(deadline)) if in_progress => self.poll(nonblocking, deadline, call)?,
+            _ => status,
+        };
         let outcome = self.lib.check(status, call, self.comm);
-        if outcome.is_err() && polled {
+        if outcome.is_err() && in_progress {
             self.abort_once();
         }
         outcome
+    }
+
+    /// Polls `call`, in progress, until NCCL reports how it ended (returned) or `deadline`
+    /// passes (an error; the communicator aborted).
+    fn poll(&self, nonblocking: &NcclNonblocking, deadline: Instant, call: &str) -> Result<c_int> {
+        let mut polls = 0u32;
+        loop {
+            let mut status = NCCL_IN_PROGRESS;
+            // SAFETY: a live communicator; writes one result.
+            let query = unsafe { (nonblocking.comm_get_async_error)(self.comm, &mut status) };
+            self.lib.check(query, "ncclCommGetAsyncError", self.comm)?;
+            if status != NCCL_IN_PROGRESS {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                return Err(self.abort(call));
+            }
+            // A collective's enqueue ends within microseconds: yield at first, then sleep, so
+            // that a long join does not hold a core.
+            if polls < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            polls = polls.saturating_add(1);
+        }
     }
 
     fn abort_once(&self) {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use fsdpturbo::comm::nccl::{NcclCollective, unique_id};
 use fsdpturbo::comm::{Collective, ReduceOp};
-use fsdpturbo::error::{Error, ErrorKind};
+use fsdpturbo::error::ErrorKind;
 
 const SHORT: Duration = Duration::from_millis(300);
 const LONG: Duration = Duration::from_secs(20);
@@ -106,11 +106,14 @@ fn a_rank_that_never_joins_fails_the_others_within_the_deadline() {
 
 /// Two ranks join; rank 0 (deadline `timeout`) calls the host all-reduce twice while rank 1
 /// never does: it keeps its communicator until rank 0 is done (`peer_stays`) or frees it at
-/// once. Returns rank 0's two errors and how long the first took.
-fn rank0_alone_in_the_collective(timeout: Duration, peer_stays: bool) -> (Error, Duration, Error) {
+/// once. Checks that rank 0's first call fails naming `failure`, that the communicator is then
+/// aborted (the second call refused, rank 0's aborted, rank 1's destroyed), and returns how long
+/// the first call took.
+fn rank0_fails_alone_in_the_collective(timeout: Duration, peer_stays: bool, failure: &str) -> Duration {
+    let (aborted, destroyed) = (aborts(), destroys());
     let id = unique_id().unwrap();
     let rank0_done = Barrier::new(2);
-    std::thread::scope(|s| {
+    let (first, elapsed, again) = std::thread::scope(|s| {
         s.spawn(|| {
             let comm = NcclCollective::new(&id, 2, 1, 0, LONG).unwrap();
             if peer_stays {
@@ -127,43 +130,32 @@ fn rank0_alone_in_the_collective(timeout: Duration, peer_stays: bool) -> (Error,
             rank0_done.wait();
         }
         (first, elapsed, again)
-    })
+    });
+    assert_eq!(first.kind, ErrorKind::Unavailable);
+    assert!(first.message.contains(failure), "{}", first.message);
+    assert_eq!(again.kind, ErrorKind::State);
+    assert!(again.message.contains("was aborted"), "{}", again.message);
+    assert_eq!((aborts() - aborted, destroys() - destroyed), (1, 1), "rank 0 aborted, rank 1 destroyed");
+    elapsed
 }
 
 #[test]
 fn a_rank_that_never_makes_the_collective_aborts_it_on_the_others() {
     let _guard = setup();
-    let (aborted, destroyed) = (aborts(), destroys());
-    let (first, elapsed, again) = rank0_alone_in_the_collective(SHORT, true);
+    let failure = "ncclAllReduce did not finish within 0.3 s on rank 0 of 2";
+    let elapsed = rank0_fails_alone_in_the_collective(SHORT, true, failure);
     assert!(elapsed >= SHORT && elapsed < SHORT + Duration::from_secs(5), "took {elapsed:?}");
-    assert_eq!(first.kind, ErrorKind::Unavailable);
-    assert!(
-        first.message.contains("ncclAllReduce did not finish within 0.3 s on rank 0 of 2"),
-        "{}",
-        first.message
-    );
-    assert_eq!(again.kind, ErrorKind::State);
-    assert!(again.message.contains("was aborted"), "{}", again.message);
-    assert_eq!((aborts() - aborted, destroys() - destroyed), (1, 1), "rank 0 aborted, rank 1 destroyed");
 }
 
 #[test]
 fn a_rank_that_left_fails_the_collective_at_once_and_aborts_it() {
     let _guard = setup();
-    let (aborted, destroyed) = (aborts(), destroys());
-    let (first, elapsed, again) = rank0_alone_in_the_collective(LONG, false);
+    let failure = "ncclAllReduce failed with 6 (remote process exited";
+    let elapsed = rank0_fails_alone_in_the_collective(LONG, false, failure);
     assert!(
         elapsed < Duration::from_secs(5),
         "took {elapsed:?}: NCCL's error was not seen before the deadline"
     );
-    assert_eq!(first.kind, ErrorKind::Unavailable);
-    assert!(
-        first.message.contains("ncclAllReduce failed with 6 (remote process exited"),
-        "{}",
-        first.message
-    );
-    assert_eq!(again.kind, ErrorKind::State);
-    assert_eq!((aborts() - aborted, destroys() - destroyed), (1, 1), "rank 0 aborted, rank 1 destroyed");
 }
 
 #[test]

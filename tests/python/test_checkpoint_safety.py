@@ -116,9 +116,7 @@ def test_a_save_waits_for_the_pending_save_to_the_same_path(tmp_path):
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-def test_files_and_directories_are_synced_before_the_renames(tmp_path, monkeypatch):
-    from fsdpturbo import save_checkpoint
-
+def _record_syncs_and_renames(monkeypatch):
     events = []
     fsync, rename = os.fsync, os.rename
 
@@ -132,15 +130,44 @@ def test_files_and_directories_are_synced_before_the_renames(tmp_path, monkeypat
 
     monkeypatch.setattr(os, "fsync", record_fsync)
     monkeypatch.setattr(os, "rename", record_rename)
-    save_checkpoint(_model(), None, tmp_path / "ckpt", extra={"step": 1})
+    return events
+
+
+def _synced_before_the_rename(events, name):
+    """The paths synced before the staging directory of `name` was renamed into place, and
+    that directory."""
     renames = [i for i, (kind, src) in enumerate(events)
-               if kind == "rename" and os.path.basename(src).startswith("ckpt.partial")]
+               if kind == "rename" and os.path.basename(src).startswith(f"{name}.partial")]
     assert renames, events
-    synced = {os.path.basename(p) for kind, p in events[:renames[0]] if kind == "fsync"}
-    staging = os.path.basename(events[renames[0]][1])
+    return {p for kind, p in events[:renames[0]] if kind == "fsync"}, events[renames[0]][1]
+
+
+def test_files_and_directories_are_synced_before_the_renames(tmp_path, monkeypatch):
+    from fsdpturbo import save_checkpoint
+
+    events = _record_syncs_and_renames(monkeypatch)
+    save_checkpoint(_model(), None, tmp_path / "ckpt", extra={"step": 1})
+    synced, staging = _synced_before_the_rename(events, "ckpt")
+    synced, staging = {os.path.basename(p) for p in synced}, os.path.basename(staging)
     for name in ("extra.pt", "fsdpturbo.json", "rank0.pt", ".metadata.tmp", "__0_0.distcp", "rng", "model", staging):
         assert name in synced, f"{name} was not synced before the rename ({sorted(synced)})"
     assert events[-1] == ("fsync", str(tmp_path)), "the parent directory is synced after the rename"
+
+
+def test_every_file_a_conversion_writes_is_synced_before_the_rename(tmp_path, monkeypatch):
+    from fsdpturbo import convert, save_checkpoint
+
+    save_checkpoint(_model(1.0), None, tmp_path / "ckpt", extra={"step": 1})
+    events = _record_syncs_and_renames(monkeypatch)
+    convert.dcp_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_bytes=16 << 10)
+    convert.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    for out in ("hf", "dcp"):
+        synced, staging = _synced_before_the_rename(events, out)
+        final = tmp_path / out
+        written = [os.path.relpath(os.path.join(root, name), final)
+                   for root, dirs, files in os.walk(final) for name in files + dirs]
+        expected = {os.path.join(staging, path) for path in written} | {staging}
+        assert len(expected) > 3 and expected <= synced, f"{out}: not synced {sorted(expected - synced)}"
 
 
 def test_the_converter_refuses_a_non_empty_output(tmp_path):

@@ -285,7 +285,9 @@ def _write_dcp(hf_dir, out, per_expert, check):
     directory = os.path.join(out, "model")
     with Progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
         # A file per tensor: DCP's writer holds every tensor of a file until the file is done.
-        dcp.save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=False, thread_count=1),
+        # The staged output is synced as a whole before its rename, not a file at a time.
+        writer = FileSystemWriter(directory, single_file_per_rank=False, thread_count=1, sync_files=False)
+        dcp.save(state, storage_writer=writer,
                  planner=_LazySavePlanner(produce, bar, tensors), no_dist=True)
     if hf_config:
         _copy_hf_files(hf_config, os.path.join(out, HF_FILES))

@@ -76,8 +76,12 @@ def write_synced(file, data):
         os.fsync(f.fileno())
 
 
-def _sync_directories(top):
-    for root, _, _ in os.walk(top, topdown=False):
+def _sync_tree(top):
+    """Syncs every file under `top`, then each directory after its contents: what a writer
+    (DCP's, a converter's) left unsynced is on disk before the rename makes it visible."""
+    for root, _, files in os.walk(top, topdown=False):
+        for name in files:
+            _sync(os.path.join(root, name))
         _sync(root, os.O_RDONLY | os.O_DIRECTORY)
 
 
@@ -98,12 +102,12 @@ def _locked(directory):
 
 
 def replace(staging, path, *, ours, overwrite, hint):
-    """Moves the complete `staging` directory to `path`: its directories are synced, then under
+    """Moves the complete `staging` directory to `path`: its files and directories are synced, then under
     the parent's lock `path` is checked again as `check_target` checked it before the writing
     (what appeared there meanwhile is kept: FileExistsError), a previous `path` is moved to
     `<path>.old`, `staging` renamed to `path`, the parent synced, and `<path>.old` deleted. A
     `<path>.old` left by an interrupted replace is removed first when `ours` recognises it."""
-    _sync_directories(staging)
+    _sync_tree(staging)
     parent = os.path.dirname(os.path.abspath(path))
     with _locked(parent):
         check_target(path, ours=ours, overwrite=overwrite, hint=hint)

@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,6 +63,32 @@ def _digest(tensor):
 
 def _entry(tensor):
     return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "sha256": _digest(tensor)}
+
+
+class _Entries:
+    """Manifest entries computed on a thread of their own while the caller writes (hashing and
+    file writes release the GIL), one tensor at a time so at most one extra tensor is held."""
+
+    def __init__(self):
+        self.entries, self._worker, self._pending = {}, ThreadPoolExecutor(1), None
+
+    def add(self, name, tensor):
+        self._collect()
+        self._pending = (name, self._worker.submit(_entry, tensor))
+
+    def _collect(self):
+        if self._pending:
+            name, future = self._pending
+            self.entries[name] = future.result()
+            self._pending = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *failure):
+        if failure[0] is None:
+            self._collect()
+        self._worker.shutdown(wait=True, cancel_futures=True)
 
 
 class _CachedReader(SafeFileSystemReader):
@@ -203,8 +230,8 @@ def _write_hf(source, checkpoint, out, config, max_shard_bytes, per_expert, chec
         [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     if config:
         _copy_hf_files(config, out)
-    tensors, held = {}, (None, None)
-    with Progress(sum(e[3] for e in entries), f"converting {source.directory} to {out}") as bar:
+    held = (None, None)
+    with _Entries() as tensors, Progress(sum(e[3] for e in entries), f"converting {source.directory} to {out}") as bar:
         for file_name, file_entries in zip(file_names, files):
             with open(os.path.join(out, file_name), "wb") as f:
                 f.write(_header(file_entries))
@@ -213,17 +240,17 @@ def _write_hf(source, checkpoint, out, config, max_shard_bytes, per_expert, chec
                     if held[0] != name:
                         held = (name, dict(pieces(name, source.read(name))))
                     piece = held[1][key]
+                    tensors.add(key, piece)
                     f.write(_bytes(piece))
-                    tensors[key] = _entry(piece)
                     bar.update(nbytes)
     if len(files) > 1:
         with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": sum(e[3] for e in entries)},
                        "weight_map": {e[0]: n for n, fe in zip(file_names, files) for e in fe}}, f, indent=2)
-    _write_manifest(out, "to-hf", checkpoint, tensors)
+    _write_manifest(out, "to-hf", checkpoint, tensors.entries)
     if check:
         verify(out)
-    return len(tensors)
+    return len(tensors.entries)
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -237,7 +264,7 @@ class _LazySavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item):
         name = write_item.index.fqn
         tensor = self.produce(name)
-        self.tensors[name] = _entry(tensor)
+        self.tensors.add(name, tensor)
         self.bar.update(tensor.numel() * tensor.element_size())
         return tensor
 
@@ -281,9 +308,8 @@ def _write_dcp(hf_dir, out, per_expert, check):
         return torch.empty(shape, dtype=dtype, device="meta")
 
     state = {name: meta(name) for name in sorted(sources)}
-    tensors = {}
     directory = os.path.join(out, "model")
-    with Progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
+    with _Entries() as tensors, Progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
         # A file per tensor: DCP's writer holds every tensor of a file until the file is done.
         # The staged output is synced as a whole before its rename, not a file at a time.
         writer = FileSystemWriter(directory, single_file_per_rank=False, thread_count=1, sync_files=False)
@@ -291,10 +317,10 @@ def _write_dcp(hf_dir, out, per_expert, check):
                  planner=_LazySavePlanner(produce, bar, tensors), no_dist=True)
     if hf_config:
         _copy_hf_files(hf_config, os.path.join(out, HF_FILES))
-    _write_manifest(out, "to-dcp", hf_dir, tensors)
+    _write_manifest(out, "to-dcp", hf_dir, tensors.entries)
     if check:
         verify(out)
-    return len(tensors)
+    return len(tensors.entries)
 
 
 def verify(out):

@@ -6,12 +6,16 @@
 //! does not divide are repeated (each still serving whole query groups), which is always
 //! possible once `cp` divides the query heads. Qwen3.5's linear attention is head-parallel with
 //! no repeat: `cp` must divide `linear_num_key_heads` and `linear_num_value_heads`.
-//! LlamaFactory's pairwise stages (`dpo`, `rm`) take no context parallelism.
+//! LlamaFactory's pairwise stages (`dpo`, `rm`) take no context parallelism. LlamaFactory v1
+//! names the stage by its command (`llamafactory-cli sft|dpo|rm`), not in the training YAML,
+//! so the stage comes from `fsdpturbo plan --stage`.
 
 use serde_json::Value;
 
 use crate::topology::Topology;
 
+/// LlamaFactory's training stages: the commands of `llamafactory-cli` that train.
+pub const STAGES: [&str; 3] = ["sft", "dpo", "rm"];
 /// The training stages that cannot run with context parallelism.
 pub const STAGES_WITHOUT_CP: [&str; 2] = ["dpo", "rm"];
 

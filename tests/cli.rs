@@ -152,8 +152,8 @@ fn usage_errors_exit_2() {
 }
 
 /// The CP groups are shown, and a CP layout that cannot work is refused naming its rule: the
-/// seed's CP2 layout as DPO (the stage read from the training YAML), and with a model whose
-/// linear-attention value heads cp 2 does not split.
+/// seed's CP2 layout as DPO (`--stage dpo`: LlamaFactory v1 names the stage by its command,
+/// not in the YAML), and with a model whose linear-attention value heads cp 2 does not split.
 #[test]
 fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
     let out = seed_cp2_plan(&[]);
@@ -166,9 +166,6 @@ fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
 
     let dir = std::env::temp_dir().join(format!("fsdpturbo-cli-cp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("dpo.yaml");
-    let seed = std::fs::read_to_string("examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml").unwrap();
-    std::fs::write(&config, format!("{seed}\nstage: dpo\n")).unwrap();
     let mut model: serde_json::Value =
         serde_json::from_slice(&std::fs::read("examples/models/qwen3_5_35b_a3b.json").unwrap()).unwrap();
     model["text_config"]["linear_num_value_heads"] = serde_json::json!(33);
@@ -177,11 +174,13 @@ fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
     let out = plan(&[
         "plan",
         "--config",
-        config.to_str().unwrap(),
+        "examples/configs/qwen3_5_cp2_ep4_efsdp2.yaml",
         "--model",
         model_path.to_str().unwrap(),
         "--world-size",
         "16",
+        "--stage",
+        "dpo",
     ]);
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(1), "{text}");
@@ -191,6 +190,45 @@ fn cp_groups_are_shown_and_unworkable_cp_layouts_refused() {
     );
     assert!(text.contains("cp: cp_size 2 does not divide text_config.linear_num_value_heads (33)"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--stage` feeds the rule that LlamaFactory's pairwise trainers take no CP: dpo and rm at
+/// the seed's cp 2 are refused naming the rule, sft is accepted, and an unknown stage is a
+/// usage error naming the accepted ones.
+#[test]
+fn stage_option_feeds_the_cp_rule() {
+    for stage in ["dpo", "rm"] {
+        let out = seed_cp2_plan(&["--stage", stage, "--json"]);
+        assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(report["stage"], stage);
+        let violations = report["violations"].as_array().unwrap();
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        let rule = format!(
+            "cp: cp_size 2 with stage {stage}: LlamaFactory's dpo and rm trainers take no context parallelism \
+             (rule: stages [\"dpo\", \"rm\"] need cp_size 1); accepted: cp_size 1, or stage sft"
+        );
+        assert_eq!(violations[0], rule.as_str());
+    }
+    let out = seed_cp2_plan(&["--stage", "sft"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(", stage sft\nviolations: none"), "{text}");
+
+    for bad in ["ppo", "DPO", ""] {
+        let out = seed_cp2_plan(&["--stage", bad]);
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!(
+                "--stage must be one of sft, dpo, rm (the llamafactory-cli command), got {bad:?}"
+            )),
+            "{err}"
+        );
+    }
+    let out = seed_cp2_plan(&["--stage"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--stage needs a value"));
 }
 
 /// Expert LoRA on the example (Qwen3-30B-A3B, 48 layers of 128 experts, hidden 2048, expert

@@ -1251,10 +1251,13 @@ fn echoed_control_characters_are_escaped() {
     }
 }
 
-/// LlamaFactory's `stage` is read (for the plan's CP rules) and must be a string.
+/// LlamaFactory v1 has no `stage` key (the stage is its command, and its parser refuses the
+/// key): a YAML that holds one is refused, pointing at `fsdpturbo plan --stage`.
 #[test]
-fn stage_is_read_as_a_string() {
-    assert_eq!(ok("stage: dpo\n").stage.as_deref(), Some("dpo"));
-    assert_eq!(ok("cp_size: 2\n").stage, None);
-    assert_error(&error("stage: [dpo]\n"), "stage", 1, "expected a string, got a list");
+fn stage_key_is_refused() {
+    for yaml in ["stage: dpo\n", "cp_size: 2\nstage: sft\n"] {
+        let line = yaml.lines().count();
+        assert_error(&error(yaml), "stage", line, "`stage` is not a LlamaFactory v1 training argument");
+        assert_error(&error(yaml), "stage", line, "give it to `fsdpturbo plan --stage`");
+    }
 }

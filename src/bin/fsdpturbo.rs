@@ -13,12 +13,15 @@ use serde_json::{Value, json};
 
 const USAGE: &str = "\
 usage: fsdpturbo [plan] [--config TRAIN.yaml --model CONFIG.json --world-size N] [--rank R]
-                 [--device cpu|cuda|npu] [--expert-lora-rank R] [--json]
+                 [--device cpu|cuda|npu] [--stage sft|dpo|rm] [--expert-lora-rank R] [--json]
 
 With no --config/--model/--world-size it plans the built-in example: Qwen3-30B-A3B on 32 ranks
 with ep_size 8 (examples/configs/qwen3_30b_a3b_ep8.yaml, examples/models/qwen3_30b_a3b.json).
 --device is the accelerator of the planned launch (default cuda): what it cannot run (mc2 off an
 NPU) is a violation, as are valid settings that shard_model does not implement.
+--stage is LlamaFactory's command of the launch (`llamafactory-cli sft|dpo|rm`; LlamaFactory v1
+takes no stage key in the YAML): dpo and rm with cp_size > 1 are a violation. Without it the
+stage is not checked.
 --expert-lora-rank plans LoRA of that rank on the expert weights with every other parameter
 frozen: the memory table counts the adapters, and gradients and AdamW moments of them only.
 Exit status: 0 when the launch is valid, 1 when there are violations, 2 on a usage error.";
@@ -33,6 +36,7 @@ struct Args {
     world_size: Option<u64>,
     rank: u64,
     device: String,
+    stage: Option<&'static str>,
     expert_lora_rank: Option<u64>,
     json: bool,
 }
@@ -53,6 +57,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Args, String> {
         world_size: None,
         rank: 0,
         device: "cuda".into(),
+        stage: None,
         expert_lora_rank: None,
         json: false,
     };
@@ -70,6 +75,18 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Args, String> {
                 device @ ("cpu" | "cuda" | "npu") => parsed.device = device.into(),
                 other => return Err(format!("--device must be cpu, cuda or npu, got {other:?}")),
             },
+            "--stage" => {
+                let stage = value("--stage")?;
+                match cp::STAGES.iter().find(|&&s| s == stage) {
+                    Some(&known) => parsed.stage = Some(known),
+                    None => {
+                        let accepted = cp::STAGES.join(", ");
+                        return Err(format!(
+                            "--stage must be one of {accepted} (the llamafactory-cli command), got {stage:?}"
+                        ));
+                    }
+                }
+            }
             "--expert-lora-rank" => match number("--expert-lora-rank", value("--expert-lora-rank")?)? {
                 0 => return Err("--expert-lora-rank must be at least 1".into()),
                 lora_rank => parsed.expert_lora_rank = Some(lora_rank),
@@ -91,6 +108,7 @@ struct DryRun {
     title: String,
     world_size: u64,
     rank: u64,
+    stage: Option<&'static str>,
     expert_lora_rank: Option<u64>,
     violations: Vec<String>,
     config: Option<TrainConfig>,
@@ -120,6 +138,7 @@ fn dry_run(args: &Args) -> DryRun {
         title,
         world_size,
         rank: args.rank,
+        stage: args.stage,
         expert_lora_rank: args.expert_lora_rank,
         violations: Vec::new(),
         config: None,
@@ -159,9 +178,8 @@ fn dry_run(args: &Args) -> DryRun {
         Err(e) => run.violations.push(format!("topology: {}", e.message)),
     }
     if let (Some(topology), Some(value)) = (&run.topology, &model) {
-        let stage = config.stage.as_deref();
         run.violations.extend(
-            cp::cp_violations(value, topology.cp_size, stage).into_iter().map(|v| format!("cp: {v}")),
+            cp::cp_violations(value, topology.cp_size, args.stage).into_iter().map(|v| format!("cp: {v}")),
         );
     }
     let (Some(topology), Some(tree)) = (&run.topology, &run.tree) else { return run };
@@ -261,7 +279,8 @@ fn memory_rows(rank_plans: &[RankPlan]) -> Vec<(u64, u64, plan::Memory)> {
 }
 
 fn print_text(run: &DryRun) {
-    println!("fsdpturbo plan: {} — world {}, rank {}", run.title, run.world_size, run.rank);
+    let stage = run.stage.map_or(String::new(), |s| format!(", stage {s}"));
+    println!("fsdpturbo plan: {} — world {}, rank {}{stage}", run.title, run.world_size, run.rank);
     if run.violations.is_empty() {
         println!("violations: none");
     } else {
@@ -372,6 +391,7 @@ fn to_json(run: &DryRun) -> Value {
         "title": run.title,
         "world_size": run.world_size,
         "rank": run.rank,
+        "stage": run.stage,
         "expert_lora_rank": run.expert_lora_rank,
         "valid": run.violations.is_empty(),
         "violations": run.violations,

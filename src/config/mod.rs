@@ -243,10 +243,6 @@ pub struct TrainConfig {
     pub dist: DistConfig,
     /// `None` when the YAML has no `kernel_config` (or it is null).
     pub kernel: Option<KernelConfig>,
-    /// LlamaFactory's training `stage` (sft, dpo, rm, …); `None` (and absent from the JSON) when
-    /// the YAML has none. Read by the plan's CP rules.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub stage: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -261,7 +257,6 @@ impl Default for TrainConfig {
             bf16: false,
             dist: DistConfig::default(),
             kernel: None,
-            stage: None,
         }
     }
 }

@@ -25,7 +25,14 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
     };
 
     for key in map.keys().filter_map(Value::as_str) {
-        if key != "name" && DIST_FIELDS.contains(&key) {
+        if key == "stage" {
+            // Once documented here for the plan's CP rule; LlamaFactory v1's parser refuses it.
+            cx.err(
+                &top.key(key),
+                "`stage` is not a LlamaFactory v1 training argument (the stage is the command, \
+                 `llamafactory-cli sft|dpo|rm`): remove it, and give it to `fsdpturbo plan --stage`",
+            );
+        } else if key != "name" && DIST_FIELDS.contains(&key) {
             cx.err(
                 &top.key(key),
                 format!(
@@ -64,9 +71,6 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
     }
     if let Some((path, v)) = field("kernel_config") {
         cfg.kernel = kernel_config(cx, &path, v);
-    }
-    if let Some((path, v)) = field("stage") {
-        cfg.stage = optional(v, |v| string(cx, &path, v));
     }
     check_topology(cx, &cfg);
     Some(cfg)

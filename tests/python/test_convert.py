@@ -2,6 +2,7 @@
 safetensors and DCP: a round trip HF -> DCP -> HF gives every tensor back bitwise (both Qwen
 families, bf16 and fp32, several output files); the DCP it writes loads into the model equal to
 transformers' own `from_pretrained`; the verifier catches a changed byte; bad input is named."""
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,29 @@ def test_verify_finds_a_changed_byte(tmp_path):
     file.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"does not match the manifest"):
         convert.verify(str(tmp_path / "back"))
+
+
+def _with(**fields):
+    return lambda manifest: json.dumps(dict(manifest, **fields))
+
+
+@pytest.mark.parametrize("rewrite,message", [
+    (lambda manifest: "[1, 2]", r"needs a direction \('to-hf' or 'to-dcp'\) and a tensors object"),
+    (_with(direction="sideways"), r"needs a direction"),
+    (_with(tensors={"w": {"dtype": "__class__", "shape": [2], "sha256": "0"}}),
+     r"the entry of 'w' has dtype '__class__'; accepted: \['bfloat16'"),
+    (_with(tensors={"w": {"dtype": "float32", "shape": "2", "sha256": "0"}}),
+     r"the entry of 'w' has shape '2', not a list of sizes"),
+    (_with(tensors={"w": [1]}), r"the entry of 'w' is not \{dtype, shape, sha256\}"),
+    (lambda manifest: "{", r"is not a conversion manifest: Expecting property name"),
+])
+def test_verify_names_what_is_wrong_with_a_manifest(tmp_path, rewrite, message):
+    build_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    convert.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    file = tmp_path / "dcp" / convert.MANIFEST
+    file.write_text(rewrite(json.loads(file.read_text())))
+    with pytest.raises(ValueError, match=message):
+        convert.verify(str(tmp_path / "dcp"))
 
 
 def test_incomplete_per_expert_weights_are_named(tmp_path):

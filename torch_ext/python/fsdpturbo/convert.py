@@ -323,13 +323,45 @@ def _write_dcp(hf_dir, out, per_expert, check):
     return len(tensors.entries)
 
 
+_TORCH_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in _SAFETENSORS_DTYPES}
+
+
+def _read_manifest(out):
+    """The manifest of the conversion output `out`, checked to be one `_write_manifest` wrote;
+    ValueError naming what is wrong otherwise."""
+    file = os.path.join(out, MANIFEST)
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"fsdpturbo convert: {file!r} is not a conversion manifest: {e}") from None
+
+    def entry_problem(entry):
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "sha256"}:
+            return "is not {dtype, shape, sha256}"
+        if entry["dtype"] not in _TORCH_DTYPE_NAMES:
+            return f"has dtype {entry['dtype']!r}; accepted: {sorted(_TORCH_DTYPE_NAMES)}"
+        if not isinstance(entry["shape"], list) or not all(type(n) is int and n >= 0 for n in entry["shape"]):
+            return f"has shape {entry['shape']!r}, not a list of sizes"
+        return None
+
+    if not isinstance(manifest, dict) or manifest.get("direction") not in ("to-hf", "to-dcp") \
+            or not isinstance(manifest.get("tensors"), dict):
+        raise ValueError(f"fsdpturbo convert: {file!r} is not a conversion manifest: it needs a direction "
+                         f"('to-hf' or 'to-dcp') and a tensors object")
+    for name, entry in manifest["tensors"].items():
+        problem = entry_problem(entry)
+        if problem:
+            raise ValueError(f"fsdpturbo convert: {file!r}: the entry of {name!r} {problem}")
+    return manifest
+
+
 def verify(out):
     """Re-reads every tensor of a conversion output and compares dtype, shape and SHA-256 with
     its manifest; raises ValueError naming the first tensor that differs. Returns the count."""
     from safetensors import safe_open
 
-    with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
+    manifest = _read_manifest(out)
     expected = manifest["tensors"]
     if manifest["direction"] == "to-dcp":
         source = _DcpTensors(out)
@@ -342,7 +374,7 @@ def verify(out):
     if found != set(expected):
         raise ValueError(f"fsdpturbo convert: {out!r} holds other tensors than its manifest: missing "
                          f"{sorted(set(expected) - found)[:8]}, unexpected {sorted(found - set(expected))[:8]}")
-    total = sum(math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize for e in expected.values())
+    total = sum(math.prod(e["shape"]) * _TORCH_DTYPE_NAMES[e["dtype"]].itemsize for e in expected.values())
     with Progress(total, f"verifying {out}") as bar:
         for name in sorted(expected):
             tensor = read(name)

@@ -101,19 +101,22 @@ def test_a_save_makes_the_directories_above_its_path(tmp_path):
     assert load_checkpoint(model, None, where)["step"] == 500 and _first_value(model) == 3.0
 
 
-def test_a_save_waits_for_the_pending_save_to_the_same_path(tmp_path):
-    """An asynchronous save not yet waited, then another save to the same path: the second
-    completes the first before it starts, so the result is the second save, whole."""
+def test_a_save_waits_for_the_pending_save_to_the_same_path(tmp_path, monkeypatch):
+    """An asynchronous save not yet waited, then another save to the same path, however spelt
+    (relative, absolute, through a link): the second completes the first before it starts, so
+    the result is the second save, whole."""
     from fsdpturbo import load_checkpoint, save_checkpoint
 
+    monkeypatch.chdir(tmp_path)
+    os.symlink(".", tmp_path / "here")
     where = tmp_path / "ckpt"
-    for _ in range(3):
+    for spelling in ("ckpt", f"{tmp_path}/ckpt/", "here/./ckpt"):
         pending = save_checkpoint(_model(1.0), None, where, extra={"step": 1}, async_save=True)
-        save_checkpoint(_model(2.0), None, where, extra={"step": 2})
+        save_checkpoint(_model(2.0), None, spelling, extra={"step": 2})
         pending.wait()  # already complete: returns at once
         model = _model(0.0)
         assert load_checkpoint(model, None, where)["step"] == 2 and _first_value(model) == 2.0
-        assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "here"]
 
 
 def _record_syncs_and_renames(monkeypatch):

@@ -127,11 +127,14 @@ def _shard_rank_fn(rank, world, directory):
     _same_error_everywhere(lambda: shard(good if rank == 0 else "dist_config: [unclosed\n", weights=directory),
                            ValueError, r"shard_model: reading the training configuration and checkpoints failed "
                                        r"\(rank 1: FSDPTurboValueError: ")
-    # Each rank was handed the weights of another run.
-    weights = os.path.join(directory, f"seed{rank}")
-    _same_error_everywhere(lambda: shard(good, weights=weights), ValueError,
+    # Each rank reads the same path, node-local, holding the weights of another run.
+    os.chdir(os.path.join(directory, f"host{rank}"))
+    _same_error_everywhere(lambda: shard(good, weights="model"), ValueError,
                            r"the ranks disagree on the weights checkpoint: rank\(s\) \[1\] differ from rank 0, first at "
-                           r"path: rank 0 has '.*seed0', rank 1 has '.*seed1'")
+                           r"files\['model\.safetensors'\]\['sample sha256'\]: rank 0 has '[0-9a-f]{64}', rank 1 has "
+                           r"'[0-9a-f]{64}'")
+    # Equal copies at different paths are one checkpoint.
+    shard(good, weights=os.path.join(directory, f"copy{rank}"))
     # The ranks name different training checkpoints.
     config = train_config(2)
     config["dist_config"]["dcp_path"] = os.path.join(directory, f"dcp{rank}")
@@ -152,7 +155,8 @@ def test_shard_model_inputs_that_fail_or_differ_on_one_rank_fail_on_every_rank(t
 
     build_model("qwen3_moe").save_pretrained(tmp_path)
     for rank in range(2):
-        build_model("qwen3_moe", seed=rank).save_pretrained(tmp_path / f"seed{rank}")
+        build_model("qwen3_moe", seed=rank).save_pretrained(tmp_path / f"host{rank}" / "model")
+        shutil.copytree(tmp_path, tmp_path / f"copy{rank}", ignore=shutil.ignore_patterns("host*", "copy*", "dcp*"))
         hf_to_dcp(str(tmp_path), str(tmp_path / f"dcp{rank}"), check=False)
     run_ranks(_shard_rank_fn, 2, str(tmp_path), timeout=200)
 

@@ -163,7 +163,7 @@ class AsyncCheckpoint:
 
     def __init__(self, save, futures):
         self._save, self._futures, self._outcome = save, futures, None
-        _PENDING[save.path] = self
+        _PENDING[_pending_key(save.path)] = self
 
     def wait(self):
         if self._outcome is None:
@@ -178,13 +178,18 @@ class AsyncCheckpoint:
                 self._outcome = e
                 raise
             finally:
-                if _PENDING.get(self._save.path) is self:
-                    del _PENDING[self._save.path]
+                if _PENDING.get(_pending_key(self._save.path)) is self:
+                    del _PENDING[_pending_key(self._save.path)]
         if self._outcome is not True:
             raise self._outcome
 
 
-_PENDING = {}  # path -> this process's AsyncCheckpoint to it that is not waited for yet
+_PENDING = {}  # real path -> this process's AsyncCheckpoint to it that is not waited for yet
+
+
+def _pending_key(path):
+    """One key for every spelling of a target (`ckpt`, `./ckpt`, `/abs/ckpt`, through a link)."""
+    return os.path.realpath(path)
 _CHECKPOINT = "a checkpoint (a directory holding fsdpturbo.json or model/.metadata)"
 
 
@@ -261,9 +266,10 @@ def save_checkpoint(model, optimizer, path, *, extra=None, async_save=False, ove
     staged to CPU and written in the background: returns an `AsyncCheckpoint` whose `wait()`
     (collective) completes it; otherwise returns None when done."""
     path = normalised(path)
-    if path in _PENDING:
-        logger.info("fsdpturbo: waiting for the asynchronous save to %s before saving there again", path)
-        _PENDING[path].wait()
+    pending = _PENDING.get(_pending_key(path))
+    if pending is not None:
+        logger.info("fsdpturbo: waiting for the asynchronous save to %r before saving there again", path)
+        pending.wait()
     save = _Save(path)
     try:
         save.start(extra, optimizer, overwrite)
@@ -482,6 +488,6 @@ def load_checkpoint(model, optimizer, path, *, extra=None, restore_rng=True):
     if found["rng"] is not None:
         _set_rng_state(found["rng"])
     elif restore_rng and manifest is not None and rank() == 0:
-        logger.warning("fsdpturbo: checkpoint %s was saved on %s ranks, this run has %d: RNG states are not "
+        logger.warning("fsdpturbo: checkpoint %r was saved on %r ranks, this run has %d: RNG states are not "
                        "restored", found["where"], manifest.get("world_size"), world_size())
     return saved

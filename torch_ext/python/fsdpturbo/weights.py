@@ -142,8 +142,9 @@ _SAMPLE = 1 << 20  # bytes of data hashed at each end of a file by `checkpoint_f
 
 def checkpoint_fingerprint(path):
     """What identifies the safetensors checkpoint at `path` for a cross-rank comparison, cheaply:
-    the path as given and, per file, its size, the SHA-256 of its header (every tensor's name,
-    dtype, shape and byte range) and of a sample of its data (the first and last MiB)."""
+    per file, its size, the SHA-256 of its header (every tensor's name, dtype, shape and byte
+    range) and of a sample of its data (the first and last MiB). The path is not part of it:
+    equal copies at different paths (a node-local copy per host) are the same checkpoint."""
     from ._native import FSDPTurboError
 
     files = {}
@@ -158,7 +159,7 @@ def checkpoint_fingerprint(path):
             raise _file_error(file, e) from None
         finally:
             os.close(fd)
-    return {"path": os.path.normpath(os.fspath(path)), "files": files}
+    return {"files": files}
 
 
 class _File:

@@ -59,7 +59,7 @@ class Case:
     pref_loss: str = None       # dpo: sigmoid, orpo or simpo
     expert_adapter: bool = False  # resumes EXPERT_ADAPTER (LoRA on the experts) by adapter_name_or_path
     cp: int = 1                 # LlamaFactory's cp_size (Ulysses, on the flash_attn stand-in in ./site)
-    plugin_cp_fixed: bool = False  # launched by cp_fixed_launcher.py: the plugin with its three CP changes
+    plugin_cp_fixed: bool = False  # launched by fsdpturbo.llamafactory.launch: the plugin with its three CP changes
     family: str = "qwen3_moe"   # the fixture's model: qwen3_moe or qwen3_5_moe
     nproc: int = 4              # ranks; a run on 8 is compared with the 4-rank reference (same global batch)
 
@@ -147,6 +147,8 @@ CASES = [
          family="qwen3_5_moe"),
     Case("cp2_ep2_efsdp2_eager_plugin_fixed_qwen3_5_moe", turbo(2, "eager"), cp=2, plugin_cp_fixed=True, nproc=8,
          family="qwen3_5_moe"),
+    Case("cp2_ep4_fused_plugin_fixed_qwen3_5_moe", turbo(4, "fused"), cp=2, plugin_cp_fixed=True, nproc=8,
+         family="qwen3_5_moe"),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -185,9 +187,9 @@ def _launch(case, root):
     import llamafactory.v1.launcher as launcher
 
     config, out = _yaml(case, root)
-    script = os.path.join(HERE, "cp_fixed_launcher.py") if case.plugin_cp_fixed else launcher.__file__
+    script = ["-m", "fsdpturbo.llamafactory.launch"] if case.plugin_cp_fixed else [launcher.__file__]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc),
-               script, case.stage, config]
+               *script, case.stage, config]
     for attempt in range(2):
         shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=root)
@@ -344,6 +346,19 @@ def test_expert_parallelism_warns_of_the_pinned_plugins_cp_divide_factor(runs):
         with open(os.path.join(root, case, STDERR_FILE)) as f:
             text = f.read()
         assert (warning in text and "docs/llamafactory-cp.md" in text) == warned, f"{case}: warned {not warned}"
+
+
+def test_the_cp_launcher_refuses_another_llamafactory_build(monkeypatch):
+    """fsdpturbo.llamafactory.launch changes the pinned build's plugin only: on another build
+    (which may carry LlamaFactory's own fix) the same changes would be wrong."""
+    from importlib import metadata
+
+    from fsdpturbo.llamafactory import launch
+
+    monkeypatch.setattr(metadata, "version", lambda name: "0.9.7")
+    with pytest.raises(launch.UnsupportedBuild, match=r"llamafactory-kt==0\.9\.6\.dev0 and no other build; "
+                                                      r"found '0\.9\.7'"):
+        launch.apply()
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.resume_from], ids=lambda c: c.name)

@@ -140,7 +140,8 @@ def warn_if_cp_counted_twice(mesh, factor):
         logger.warning("[Expert Parallel] expert gradients are summed over the %d expert_cp ranks and divided by "
                        "gradient_divide_factor %g = world size / cp: with a loss every CP rank holds whole "
                        "(LlamaFactory's Ulysses loss) they come out %d× the mean gradient; LlamaFactory's pinned "
-                       "fsdpturbo plugin does this at cp_size > 1 (docs/llamafactory-cp.md)", cp, factor, cp)
+                       "fsdpturbo plugin does this at cp_size > 1: launch it with `torchrun -m "
+                       "fsdpturbo.llamafactory.launch` instead (docs/llamafactory-cp.md)", cp, factor, cp)
 
 
 def replica_groups(mesh, exclude_dims=()):

@@ -13,25 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ascend_double import BUILT, DOUBLE_DIR, NOT_BUILT, use_double
 from dist_util import run_ranks
 from blocks import ROUTES, TOKENS_PER_RANK, block_data, moe_block, override_router
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-DOUBLE_DIR = pathlib.Path(os.environ.get("FSDPTURBO_ASCEND_DOUBLE_DIR", REPO / "build" / "ascend_double"))
-if not (DOUBLE_DIR / "libopapi.so").is_file():
-    pytest.skip(f"the Ascend test doubles are not built (no {DOUBLE_DIR}/libopapi.so): build with CMake",
-                allow_module_level=True)
-
-
-def _use_double(log):
-    os.environ.update(FSDPTURBO_ACL_PATH=str(DOUBLE_DIR / "libascendcl.so"),
-                      FSDPTURBO_HCCL_PATH=str(DOUBLE_DIR / "libhccl.so"),
-                      FSDPTURBO_OPAPI_PATH=str(DOUBLE_DIR / "libopapi.so"),
-                      FSDPTURBO_NNOPBASE_PATH=str(DOUBLE_DIR / "libnnopbase.so"),
-                      FSDPTURBO_DOUBLE_LOG=str(log))
-    from fsdpturbo.moe.dispatch import device
-
-    device.enable_test_double()
+if not BUILT:
+    pytest.skip(NOT_BUILT, allow_module_level=True)
 
 
 def _log(path):
@@ -77,7 +64,7 @@ def test_test_mode_is_refused_without_the_double(tmp_path):
 
 def _grouped_mm_rank(rank, world, log_dir):
     log = pathlib.Path(log_dir) / "gmm.log"
-    _use_double(log)
+    use_double(log)
     from fsdpturbo._native import ops
 
     g = torch.Generator().manual_seed(0)
@@ -148,7 +135,7 @@ def _dispatchers_rank(rank, world, route_name, log_dir):
     from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
 
     log = pathlib.Path(log_dir) / f"rank{rank}.log"
-    _use_double(log)
+    use_double(log)
     route = ROUTES.get(route_name) or SPARSE_ROUTES.get(route_name)
     state = fsdpturbo.ParallelState(world, ep_size=world).init_device_meshes("cpu")
     ep_mesh = state.sub_mesh("ep")
@@ -214,7 +201,7 @@ def test_mc2_ops_need_an_npu():
 
 
 def _mc2_checks_rank(rank, world, log_dir):
-    _use_double(pathlib.Path(log_dir) / "checks.log")
+    use_double(pathlib.Path(log_dir) / "checks.log")
     from fsdpturbo.moe.dispatch import mc2
     from fsdpturbo._native import ops
 

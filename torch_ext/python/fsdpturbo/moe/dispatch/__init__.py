@@ -37,7 +37,7 @@ class Dispatcher:
 DISPATCHERS = {d.name: d for d in (Dispatcher("eager", eager_forward, capacity_kernels=kernels.TORCH),
                                    Dispatcher("fused", fused_forward, capacity_kernels=kernels.OP_LIBRARY),
                                    # its first grouped matmul is fused with the all-to-all
-                                   Dispatcher("mc2", mc2.mc2_forward, mc2.check_available, lora=False),
+                                   Dispatcher("mc2", mc2.mc2_forward, mc2.check_available),
                                    Dispatcher("domino", domino_forward))}
 NOT_IMPLEMENTED = ("moonep",)  # accepted by the seed's configuration, not implemented here
 
@@ -50,7 +50,7 @@ def check_implemented(name):
 
 def check_lora(dispatcher, module_name):
     """Raises for a dispatcher whose expert compute does not apply the LoRA adapters of expert
-    module `module_name` (mc2, a user's callable)."""
+    module `module_name` (a user's callable)."""
     entry = DISPATCHERS.get(dispatcher) if isinstance(dispatcher, str) else None
     if entry is None or not entry.lora:
         applying = sorted(name for name, d in DISPATCHERS.items() if d.lora)

@@ -69,15 +69,17 @@ class ExpertProjection:
     weight: torch.Tensor
     lora: Optional[tuple] = None  # (down, up, scaling)
 
-    def __call__(self, x, matmul):
+    def __call__(self, x, matmul, down_matmul=None, up_matmul=None):
         """The rows `x` through the projection: `matmul(x, w)` multiplies each row by its
         expert's w [L, ·, ·] transposed (the kernel's grouping of the rows), and the adapter
-        adds s·(x·downᵀ)·upᵀ: two rank-r matmuls, no merged copy of the weight."""
+        adds s·(x·downᵀ)·upᵀ: two rank-r matmuls, no merged copy of the weight. The adapter's
+        two take `down_matmul` and `up_matmul` where given (mc2: the one beside the all-to-all
+        fused with it, the other the grouped matmul on the routed rows), else `matmul`."""
         out = matmul(x, self.weight)
         if self.lora is None:
             return out
         down, up, scaling = self.lora
-        return out + matmul(matmul(x, down) * scaling, up)
+        return out + (up_matmul or matmul)((down_matmul or matmul)(x, down) * scaling, up)
 
 
 def _projection(module, name):

@@ -15,12 +15,14 @@ the first operator returns (permuteOutFlag); both are registered in fsdpturbo.mo
 
 In the common pipeline (fsdpturbo.moe.dispatch.pipeline) the rows leave inside the first operator
 and come back inside the second: mc2's dispatch is the permute alone, its expert compute both
-fused operators, its combine the unpermute alone.
+fused operators, its combine the unpermute alone. LoRA adapters on the expert weights
+(fsdpturbo.moe.expert_lora) add rank-r fused operators and grouped matmuls (`Mc2Strategy.compute`).
 
 Hardware limits (ops-transformer's mc2/ docs): Atlas A3 only; ep size 8, 16, 32 or 64;
 at most 32 local experts and 256 counts; bfloat16 or float16. They are checked before launch.
 """
 import ctypes
+import functools
 
 import torch
 import torch.distributed as dist
@@ -111,10 +113,22 @@ class Mc2Strategy(TokenPermuteStrategy):
         return self.permute(hidden, route)
 
     def compute(self, module, received, route, ep_group):
-        gate_up, down = (projection.weight for projection in experts.expert_projections(module))  # no LoRA here
+        gate_up, down = experts.expert_projections(module)
         sends, blocks = route.receive.sends, route.receive.blocks
-        hidden = experts.activation(module, alltoallv_gmm(received, gate_up, ep_group, sends, blocks))
-        return gmm_alltoallv(hidden, down, ep_group, blocks, sends)
+        there = functools.partial(alltoallv_gmm, group=ep_group, send_counts=sends, recv_counts=blocks)
+        back = functools.partial(gmm_alltoallv, group=ep_group, send_counts=blocks, recv_counts=sends)
+        # A LoRA adapter (s·(x·downᵀ)·upᵀ) is two rank-r matmuls on the routed rows: the one beside
+        # the all-to-all runs inside the same fused operator (gate_up's down factor with the rows'
+        # way there, down_proj's up factor with their way back), the other is the fused
+        # dispatcher's grouped matmul on the local-expert-major rows. The operators return the
+        # received rows only as a non-differentiable output, so the adapter's rows travel once
+        # more, each way, instead of sharing the base weight's exchange (that would need the two
+        # weights concatenated: a copy of the expert weights every step). The all-to-all only
+        # moves rows, so every element is the fused dispatcher's out + adapter, summed the same.
+        per_expert = torch.tensor(route.receive.tokens_per_local_expert, dtype=torch.int64, device=received.device)
+        grouped = functools.partial(experts.grouped_linear, counts=per_expert)
+        hidden = experts.activation(module, gate_up(received, there, up_matmul=grouped))
+        return down(hidden, back, down_matmul=grouped)
 
     def combine(self, y, route, weights, ep_group):
         return self.unpermute(y, route, weights)

@@ -150,11 +150,34 @@ def _assert_adapters_placed_as_their_weights(experts, where):
                 (where, factor, param.to_local().shape, base.to_local().shape)
 
 
+def _shard(model, layout, world):
+    """`model` sharded at `layout` by `shard_model`, or with `llamafactory` by the engine
+    LlamaFactory's fsdpturbo backend drives (`fsdpturbo.llamafactory.FSDPTurboFSDP2Engine` on
+    LlamaFactory's dp mesh, its EP and EFSDP steps through the drop-in `fsdp_turbo` functions,
+    EFSDP only at efsdp > 1); returns it and its grad-norm clip `(model, max_norm)`."""
+    import types
+
+    config = train_config(layout["ep"], layout.get("efsdp"), bf16=layout.get("bf16", False),
+                          dispatcher=layout["dispatcher"], capacity_factor=layout.get("capacity_factor"))
+    if not layout.get("llamafactory"):
+        from fsdpturbo import clip_grad_norm_
+        from fsdpturbo.engine import shard_model
+
+        return shard_model(model, config, state=layout_state(world, layout["ep"], layout.get("efsdp"), 1)), \
+            clip_grad_norm_
+    import fsdpturbo
+    from fsdpturbo.llamafactory import FSDPTurboFSDP2Engine, clip_grad_norm_
+
+    dp_mesh = fsdpturbo.ParallelState(world).init_device_meshes("cpu").sub_mesh("dp")
+    interface = types.SimpleNamespace(get_world_size=lambda dim: world, get_device_mesh=lambda dim: dp_mesh,
+                                      strategy=types.SimpleNamespace(cp_size=1))  # LlamaFactory's, at cp 1
+    engine = FSDPTurboFSDP2Engine(config["dist_config"], bf16=config["bf16"], dist_interface=interface)
+    return engine.shard_model(model), clip_grad_norm_
+
+
 def _train_rank_fn(rank, world, layouts):
     """Per layout: `train_against_peft` with activation checkpointing on (as test_train does); in
     bfloat16 storage and compute with `bf16`, against the one-process PEFT model in bfloat16."""
-    from fsdpturbo import clip_grad_norm_
-    from fsdpturbo.engine import shard_model
     from fsdpturbo.parity import Reference
 
     for layout in layouts:
@@ -167,15 +190,16 @@ def _train_rank_fn(rank, world, layouts):
                               dtype=torch.bfloat16 if layout.get("bf16") else torch.float32)
         model = build_peft_model(family)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        config = train_config(layout["ep"], layout.get("efsdp"), bf16=layout.get("bf16", False),
-                              dispatcher=layout["dispatcher"], capacity_factor=layout.get("capacity_factor"))
-        model = shard_model(model, config, state=layout_state(world, layout["ep"], layout.get("efsdp"), 1))
+        model, clip = _shard(model, layout, world)
         experts = model.get_base_model().model.layers[0].mlp.experts
         # ep 1: no expert parallelism, PEFT's own wrappers stay (under the outer FSDP2)
         assert (expert_lora.expert_lora(experts) is not None) == (layout["ep"] > 1), where
         if layout["ep"] > 1:
             _assert_adapters_placed_as_their_weights(experts, where)
-        train_against_peft(model, reference, clip_grad_norm_, where)
+        if layout.get("llamafactory"):  # as LlamaFactory: EFSDP only when efsdp > 1
+            assert experts.gate_up_proj.device_mesh.mesh_dim_names == \
+                (("efsdp", "ep") if layout["efsdp"] > 1 else ("ep",)), where
+        train_against_peft(model, reference, clip, where)
 
 
 # On 4 ranks; efsdp None = dp/ep (2 with ep 2, 1 with ep 4). Capacity factor 8: room for every slot.
@@ -192,6 +216,16 @@ def test_expert_lora_training_equals_one_process_peft():
     2 micro-batches of gradient accumulation; the base weights get no gradient and no optimizer
     state."""
     run_ranks(_train_rank_fn, 4, LAYOUTS, timeout=900)
+
+
+@pytest.mark.parametrize("efsdp", [1, 2])
+def test_llamafactory_engine_on_a_peft_model(efsdp):
+    """LlamaFactory's path into our package on a PEFT model with expert adapters (its trainer hands
+    the PEFT model to the backend's engine) at (ep 2, efsdp `efsdp`) on 4 ranks: as
+    `test_expert_lora_training_equals_one_process_peft`, with the engine's grad-norm clip. Each
+    efsdp in its own processes: LlamaFactory's parallel state is one per process."""
+    layout = dict(ep=2, efsdp=efsdp, dispatcher="fused" if efsdp == 1 else "eager", llamafactory=True)
+    run_ranks(_train_rank_fn, 4, [layout], timeout=600)
 
 
 def _mc2_rank_fn(rank, world, layouts, log_dir):

@@ -5,10 +5,11 @@ import os
 
 import torch
 
-from .. import norm
+from .. import adapters, norm
 from .._dist import rank
 from ..config import TrainConfig
 from ..engine import _apply_expert_sharding, _cast_to_storage_dtype, _default_device, fully_shard_outer, materialize
+from ..moe import expert_lora
 from ..placement import copy_weights_
 from ..spec import FSDPTurboEPModelSpec
 from ..weights import save_hf_weights
@@ -107,7 +108,10 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
     optional), parsed and validated by the Rust core into `config` (a `TrainConfig`, with
     `bf16`) when the engine is made. The parallel state (`get_fsdpturbo_parallel_state()`) must
     be initialised before `shard_model`, or is initialised then from `dist_interface`. Making
-    one touches no mesh."""
+    one touches no mesh. A PEFT model (LlamaFactory's LoRA) is sharded through the model inside
+    it and stays the model the trainer holds, as `fsdpturbo.shard_model` does it: with ep > 1
+    its adapters on the experts (`target_parameters`) move onto the expert modules first
+    (`fsdpturbo.moe.expert_lora`)."""
 
     def __init__(self, dist_config, bf16=False, *, dist_interface=None, dp_mesh=None, weights=None, device=None):
         super().__init__(dist_config, dist_interface=dist_interface, dp_mesh=dp_mesh, weights=weights, device=device)
@@ -129,9 +133,11 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
         with EFSDP only when efsdp > 1, as LlamaFactory does (with efsdp = 1 expert parallelism
         alone reduces the expert gradients). Its EP and EFSDP functions are looked up at call
         time on their `fsdp_turbo` modules, so a trainer's monkeypatches of those apply.
-        Returns (model, plan, parameters the outer FSDP2 ignores)."""
+        Returns (the model, inside its PEFT model if any; the plan; parameters the outer FSDP2
+        ignores)."""
         from fsdp_turbo.distributed.expert_parallel import expert_fully_shard_parallel, expert_parallel
 
+        model = expert_lora.inner_model(model)
         if FSDPTurboEPModelSpec.get(model) is None:
             model_type = getattr(getattr(model, "config", None), "model_type", None)
             raise ValueError(f"No FSDPTurbo EP spec is registered for model_type={model_type}.")
@@ -143,17 +149,24 @@ class FSDPTurboFSDP2Engine(FSDP2Engine):
 
     def prepare_model_ep(self, model):
         """The seed's EP step: returns (model, the set of parameters the outer FSDP2 ignores)."""
-        model, _, ignored = self._shard_experts(model)
+        _, _, ignored = self._shard_experts(model)
         return model, set(ignored)
 
     def prepare_model(self, model, ignored_params=None):
-        """The EP step, then the outer FSDP2 over dp with the plan's divide factor (dp · cp)."""
-        model, plan, ignored = self._shard_experts(model)
-        return fully_shard_outer(model, self._mesh(), plan["gradient_divide_factor"],
-                                 ignored_params=set(ignored) | set(ignored_params or ()),
-                                 reshard_after_forward=self.config.values["dist"]["reshard_after_forward"])
+        """The EP step, then the outer FSDP2 over dp with the plan's divide factor (dp · cp).
+        Returns `model`."""
+        inner, plan, ignored = self._shard_experts(model)
+        fully_shard_outer(inner, self._mesh(), plan["gradient_divide_factor"],
+                          ignored_params=set(ignored) | set(ignored_params or ()),
+                          reshard_after_forward=self.config.values["dist"]["reshard_after_forward"])
+        return model
 
     def shard_model(self, model):
         """Casts the parameters to the storage dtype (bf16 with `bf16=True`, else float32), then
-        runs `FSDP2Engine.shard_model`. Returns the model."""
-        return super().shard_model(_cast_to_storage_dtype(model, self.config.values["bf16"]))
+        runs `FSDP2Engine.shard_model` on the model (inside its PEFT model, whose
+        `load_state_dict` then also takes the experts in PEFT's layout:
+        `fsdpturbo.adapters.guard_taken_over`). Returns the model."""
+        given, inner = model, expert_lora.inner_model(model)
+        super().shard_model(_cast_to_storage_dtype(inner, self.config.values["bf16"]))
+        adapters.guard_taken_over(given, inner)
+        return given

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 /// there is in exactly one section; a new one fails the build until it is placed.
 const PUBLIC_SECTIONS: &[(&str, &[&str])] = &[
     ("Errors and versions", &["status.rs", "error.rs", "version.rs", "dtype.rs", "handle.rs", "panic.rs"]),
-    ("Loading the device libraries", &["backend.rs"]),
+    ("Device libraries: the search path, NVRTC and the CUDA kernels", &["backend.rs", "cuda.rs"]),
     ("Configuration", &["config.rs"]),
     ("Topology and the process-wide parallel state", &["topology.rs", "state.rs"]),
     ("Plans: module patterns, model specs, the expert plan", &["pattern.rs", "spec.rs", "plan.rs"]),
@@ -26,7 +26,7 @@ const PUBLIC_SECTIONS: &[(&str, &[&str])] = &[
         &["route.rs", "gemm.rs", "host_isa.rs", "host_threads.rs"],
     ),
     ("Gradient norm and clipping", &["norm.rs"]),
-    ("Collectives: communicators and NCCL", &["comm.rs"]),
+    ("Collectives: communicators and NCCL", &["comm.rs", "nccl.rs"]),
     ("Ascend: HCCL and the NPU operators", &["hccl.rs", "npu.rs"]),
     ("The operator registry", &["ops.rs"]),
 ];

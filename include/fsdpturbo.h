@@ -338,6 +338,14 @@ typedef int32_t (*fsdpturbo_reduce_fn)(void *user,
                                        int32_t op,
                                        double *value);
 
+// Which communicator reduces the grad norm's values over one set of mesh dims.
+typedef struct {
+  // The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
+  const uint32_t *dims;
+  size_t n_dims;
+  const fsdpturbo_comm_t *comm;
+} fsdpturbo_comm_group_t;
+
 // Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
 // `op` FSDPTURBO_REDUCE_*; `send` may equal `recv`. Return 0 on success.
 typedef int32_t (*fsdpturbo_host_all_reduce_fn)(void *user,
@@ -382,14 +390,6 @@ typedef struct {
   fsdpturbo_host_all_reduce_fn reduce_scatter;
   fsdpturbo_host_all_to_all_v_fn all_to_all_v;
 } fsdpturbo_host_collective_t;
-
-// Which communicator reduces the grad norm's values over one set of mesh dims.
-typedef struct {
-  // The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
-  const uint32_t *dims;
-  size_t n_dims;
-  const fsdpturbo_comm_t *comm;
-} fsdpturbo_comm_group_t;
 
 // A strided view of device memory: `dims`/`strides` (elements) of `ndim` entries, starting
 // `offset` elements into `storage`, an allocation of `storage_len` elements.
@@ -455,7 +455,7 @@ const char *fsdpturbo_version(void);
 uint32_t fsdpturbo_abi_version(void);
 
 /* ============================================================================================
- * Loading the device libraries
+ * Device libraries: the search path, NVRTC and the CUDA kernels
  * ============================================================================================ */
 
 // Adds directories searched for every vendor library (NCCL, cuBLAS, NVRTC, the CUDA driver,
@@ -1084,6 +1084,17 @@ int32_t fsdpturbo_local_power_sum(const fsdpturbo_grad_t *grads,
                                   bool accumulate_f64,
                                   double *out_value);
 
+// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
+// of mesh dims over which gradients are sharded are reduced by the communicator of the
+// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
+// value through device memory). A set without an entry is an error on every rank alike.
+int32_t fsdpturbo_clip_grad_norm_comm(const fsdpturbo_clip_options_t *options,
+                                      const fsdpturbo_grad_t *grads,
+                                      size_t n_grads,
+                                      const fsdpturbo_comm_group_t *groups,
+                                      size_t n_groups,
+                                      double *out_total_norm);
+
 /* ============================================================================================
  * Collectives: communicators and NCCL
  * ============================================================================================ */
@@ -1094,13 +1105,6 @@ int32_t fsdpturbo_comm_single_new(fsdpturbo_comm_t **out_comm);
 // A communicator over the embedder's process group, through callbacks (host memory).
 int32_t fsdpturbo_comm_host_new(const fsdpturbo_host_collective_t *callbacks,
                                 fsdpturbo_comm_t **out_comm);
-
-// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
-int32_t fsdpturbo_nccl_version(int32_t *out_version);
-
-// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
-// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
-int32_t fsdpturbo_nccl_unique_id(uint8_t *out_id);
 
 // Joins an NCCL communicator of `world_size` ranks as `rank` on CUDA device `device`, from the
 // unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) rank 0 made; waits until all ranks joined,
@@ -1179,16 +1183,12 @@ int32_t fsdpturbo_comm_all_to_all_v(const fsdpturbo_comm_t *comm,
                                     int32_t dtype,
                                     void *stream);
 
-// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
-// of mesh dims over which gradients are sharded are reduced by the communicator of the
-// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
-// value through device memory). A set without an entry is an error on every rank alike.
-int32_t fsdpturbo_clip_grad_norm_comm(const fsdpturbo_clip_options_t *options,
-                                      const fsdpturbo_grad_t *grads,
-                                      size_t n_grads,
-                                      const fsdpturbo_comm_group_t *groups,
-                                      size_t n_groups,
-                                      double *out_total_norm);
+// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
+int32_t fsdpturbo_nccl_version(int32_t *out_version);
+
+// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
+// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
+int32_t fsdpturbo_nccl_unique_id(uint8_t *out_id);
 
 /* ============================================================================================
  * Ascend: HCCL and the NPU operators

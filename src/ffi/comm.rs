@@ -1,38 +1,28 @@
-//! C ABI of the collectives: communicator handles (one rank, host callbacks, NCCL), their
-//! operations, and the grad norm over them.
+//! C ABI of the collectives: communicator handles (one rank, host callbacks, NCCL) and their
+//! operations. NCCL's own entry points (version, unique id) are in `nccl.rs`; the grad norm
+//! over communicators is `fsdpturbo_clip_grad_norm_comm` in `norm.rs`.
 
-use std::cell::RefCell;
 use std::ffi::c_void;
 use std::time::Duration;
 
 use super::dtype::dtype_arg;
 use super::error::FfiError;
-use super::error::last_error_message;
 use super::handle::{
     arg_fn, arg_ref, arg_slice, check_data, check_disjoint, check_struct_size, free_handle, into_handle,
-    invalid, out_array, struct_size_of, write_array, write_out,
-};
-use super::norm::{
-    FSDPTURBO_REDUCE_MAX, fsdpturbo_clip_grad_norm, fsdpturbo_clip_options_t, fsdpturbo_grad_t,
-    fsdpturbo_reduce_fn,
+    invalid, struct_size_of, write_out,
 };
 use super::panic::boundary;
-use crate::backend::cuda::nccl as nccl_lib;
 use crate::comm::host::HostCallbacks;
-use crate::comm::nccl::{DEFAULT_TIMEOUT, NCCL_UNIQUE_ID_BYTES, NcclCollective, unique_id};
+use crate::comm::nccl::{DEFAULT_TIMEOUT, NCCL_UNIQUE_ID_BYTES, NcclCollective};
 use crate::comm::{AllToAllV, Buffers, Collective, CollectiveOp, Dtype, ReduceOp, SingleRank, Stream};
 
 /// Reduce op codes beyond FSDPTURBO_REDUCE_SUM (0) and FSDPTURBO_REDUCE_MAX (1).
 pub const FSDPTURBO_REDUCE_PROD: i32 = 2;
 pub const FSDPTURBO_REDUCE_MIN: i32 = 3;
-/// Bytes of an NCCL unique id.
-pub const FSDPTURBO_NCCL_UNIQUE_ID_BYTES: usize = 128;
-// A literal for the header (the vendor constant stays private to the crate), pinned to it here.
-const _: () = assert!(FSDPTURBO_NCCL_UNIQUE_ID_BYTES == NCCL_UNIQUE_ID_BYTES);
 
 /// A communicator: one process group's collectives (opaque).
 pub struct fsdpturbo_comm_t {
-    inner: Box<dyn Collective + Send + Sync>,
+    pub(super) inner: Box<dyn Collective + Send + Sync>,
 }
 
 /// Host all-reduce: `recv = op over ranks of send`, `count` elements of FSDPTURBO_DTYPE_* `dtype`,
@@ -92,15 +82,6 @@ pub struct fsdpturbo_host_collective_t {
 }
 
 const HOST_COLLECTIVE_V1_SIZE: usize = std::mem::size_of::<fsdpturbo_host_collective_t>();
-
-/// Which communicator reduces the grad norm's values over one set of mesh dims.
-#[repr(C)]
-pub struct fsdpturbo_comm_group_t {
-    /// The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
-    pub dims: *const u32,
-    pub n_dims: usize,
-    pub comm: *const fsdpturbo_comm_t,
-}
 
 fn reduce_op(code: i32) -> Result<ReduceOp, FfiError> {
     ReduceOp::from_code(code).ok_or_else(|| {
@@ -177,22 +158,6 @@ pub extern "C" fn fsdpturbo_comm_host_new(
             }),
         };
         comm_out(out_comm, Box::new(inner))
-    })
-}
-
-/// Loads NCCL and writes its version code (X*10000 + Y*100 + Z, e.g. 23007 for 2.30.7).
-#[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_nccl_version(out_version: *mut i32) -> i32 {
-    boundary(|| write_out(out_version, "out_version", nccl_lib::nccl()?.version()?))
-}
-
-/// Writes a fresh NCCL unique id (FSDPTURBO_NCCL_UNIQUE_ID_BYTES bytes) to `out_id`. Rank 0
-/// makes it and the embedder broadcasts it to the other ranks. Needs no GPU.
-#[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_nccl_unique_id(out_id: *mut u8) -> i32 {
-    boundary(|| {
-        out_array(out_id, NCCL_UNIQUE_ID_BYTES, "out_id")?;
-        write_array(out_id, "out_id", &unique_id()?)
     })
 }
 
@@ -392,85 +357,5 @@ pub extern "C" fn fsdpturbo_comm_all_to_all_v(
         // SAFETY: the caller guarantees the ranges, as documented.
         unsafe { comm.inner.all_to_all_v(send, recv, &layout, dtype, Stream(stream)) }?;
         Ok(())
-    })
-}
-
-struct Groups<'a> {
-    entries: Vec<(Vec<u32>, &'a fsdpturbo_comm_t)>,
-    /// Why the last reduction failed, for the caller's error message.
-    failure: RefCell<Option<FfiError>>,
-}
-
-impl Groups<'_> {
-    fn reduce(&self, dims: &[u32], op: i32, value: f64) -> Result<f64, FfiError> {
-        let (_, comm) = self.entries.iter().find(|(d, _)| d.as_slice() == dims).ok_or_else(|| {
-            invalid(format!(
-                "no entry of `groups` has the mesh dims {dims:?}, over which gradients are sharded"
-            ))
-        })?;
-        let op = if op == FSDPTURBO_REDUCE_MAX { ReduceOp::Max } else { ReduceOp::Sum };
-        Ok(comm.inner.all_reduce_host_f64(value, op)?)
-    }
-}
-
-/// The reduce callback of fsdpturbo_clip_grad_norm, served by the communicator whose dims are
-/// the set's (the library passes sets sorted).
-unsafe extern "C" fn reduce_with_groups(
-    user: *mut c_void,
-    _set_index: usize,
-    dims: *const u32,
-    n_dims: usize,
-    op: i32,
-    value: *mut f64,
-) -> i32 {
-    // SAFETY: `user` is the Groups of the enclosing call; dims/value are the library's own.
-    let (groups, dims, value) =
-        unsafe { (&*(user as *const Groups), std::slice::from_raw_parts(dims, n_dims), &mut *value) };
-    match groups.reduce(dims, op, *value) {
-        Ok(v) => {
-            *value = v;
-            0
-        }
-        Err(err) => {
-            let status = err.status;
-            *groups.failure.borrow_mut() = Some(err);
-            status
-        }
-    }
-}
-
-/// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
-/// of mesh dims over which gradients are sharded are reduced by the communicator of the
-/// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
-/// value through device memory). A set without an entry is an error on every rank alike.
-#[unsafe(no_mangle)]
-pub extern "C" fn fsdpturbo_clip_grad_norm_comm(
-    options: *const fsdpturbo_clip_options_t,
-    grads: *const fsdpturbo_grad_t,
-    n_grads: usize,
-    groups: *const fsdpturbo_comm_group_t,
-    n_groups: usize,
-    out_total_norm: *mut f64,
-) -> i32 {
-    boundary(|| {
-        let mut entries = Vec::new();
-        for (i, g) in arg_slice(groups, n_groups, "groups")?.iter().enumerate() {
-            let mut dims = arg_slice(g.dims, g.n_dims, format_args!("groups[{i}].dims"))?.to_vec();
-            dims.sort_unstable();
-            dims.dedup();
-            entries.push((dims, arg_ref(g.comm, &format!("groups[{i}].comm"))?));
-        }
-        let groups = Groups { entries, failure: RefCell::new(None) };
-        let reduce: fsdpturbo_reduce_fn = Some(reduce_with_groups);
-        let user = (&groups as *const Groups).cast_mut().cast();
-        let status = fsdpturbo_clip_grad_norm(options, grads, n_grads, reduce, user, out_total_norm);
-        match groups.failure.into_inner() {
-            Some(err) => Err(FfiError::new(
-                err.status,
-                format!("grad norm: {}; no gradient was modified", err.message),
-            )),
-            None if status != 0 => Err(FfiError::new(status, last_error_message())),
-            None => Ok(()),
-        }
     })
 }

@@ -1,17 +1,20 @@
 //! C ABI of the gradient norm: placement-aware clipping with the collectives supplied by the
-//! embedder as a callback (for C++ trainers), and the fused host p-power sum of a buffer list.
+//! embedder as a callback (for C++ trainers) or as communicators (`fsdpturbo_comm_t`), and the
+//! fused host p-power sum of a buffer list.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 
+use super::comm::fsdpturbo_comm_t;
 use super::dtype::float_dtype_arg;
-use super::error::FfiError;
+use super::error::{FfiError, last_error_message};
 use super::handle::{
     Region, arg_ref, arg_slice, check_data, check_disjoint_outputs, check_struct_size, host_buf,
     host_buf_mut, invalid, struct_size_of, write_array, write_out, write_slice,
 };
 use super::panic::boundary;
 use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
+use crate::comm::ReduceOp;
 use crate::dtype::Dtype;
 use crate::host::HostBufMut;
 use crate::norm::{self, ClipOptions, DimRole, GradLayout, NormType, clip_grad_norm_with, norm_plan};
@@ -361,5 +364,94 @@ pub extern "C" fn fsdpturbo_local_power_sum(
             bufs.push(unsafe { host_buf(ptr, grad.numel, dtype)? });
         }
         write_out(out_value, "out_value", norm::local_power_sum(&bufs, norm, accumulate_f64)?)
+    })
+}
+
+/// Which communicator reduces the grad norm's values over one set of mesh dims.
+#[repr(C)]
+pub struct fsdpturbo_comm_group_t {
+    /// The mesh-dim ids (as in fsdpturbo_grad_t.dims), in any order.
+    pub dims: *const u32,
+    pub n_dims: usize,
+    pub comm: *const fsdpturbo_comm_t,
+}
+
+struct Groups<'a> {
+    entries: Vec<(Vec<u32>, &'a fsdpturbo_comm_t)>,
+    /// Why the last reduction failed, for the caller's error message.
+    failure: RefCell<Option<FfiError>>,
+}
+
+impl Groups<'_> {
+    fn reduce(&self, dims: &[u32], op: i32, value: f64) -> Result<f64, FfiError> {
+        let (_, comm) = self.entries.iter().find(|(d, _)| d.as_slice() == dims).ok_or_else(|| {
+            invalid(format!(
+                "no entry of `groups` has the mesh dims {dims:?}, over which gradients are sharded"
+            ))
+        })?;
+        let op = if op == FSDPTURBO_REDUCE_MAX { ReduceOp::Max } else { ReduceOp::Sum };
+        Ok(comm.inner.all_reduce_host_f64(value, op)?)
+    }
+}
+
+/// The reduce callback of fsdpturbo_clip_grad_norm, served by the communicator whose dims are
+/// the set's (the library passes sets sorted).
+unsafe extern "C" fn reduce_with_groups(
+    user: *mut c_void,
+    _set_index: usize,
+    dims: *const u32,
+    n_dims: usize,
+    op: i32,
+    value: *mut f64,
+) -> i32 {
+    // SAFETY: `user` is the Groups of the enclosing call; dims/value are the library's own.
+    let (groups, dims, value) =
+        unsafe { (&*(user as *const Groups), std::slice::from_raw_parts(dims, n_dims), &mut *value) };
+    match groups.reduce(dims, op, *value) {
+        Ok(v) => {
+            *value = v;
+            0
+        }
+        Err(err) => {
+            let status = err.status;
+            *groups.failure.borrow_mut() = Some(err);
+            status
+        }
+    }
+}
+
+/// fsdpturbo_clip_grad_norm with communicators instead of a callback: the values of each set
+/// of mesh dims over which gradients are sharded are reduced by the communicator of the
+/// `groups` entry with exactly those dims (host gradients; an NCCL communicator stages the one
+/// value through device memory). A set without an entry is an error on every rank alike.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdpturbo_clip_grad_norm_comm(
+    options: *const fsdpturbo_clip_options_t,
+    grads: *const fsdpturbo_grad_t,
+    n_grads: usize,
+    groups: *const fsdpturbo_comm_group_t,
+    n_groups: usize,
+    out_total_norm: *mut f64,
+) -> i32 {
+    boundary(|| {
+        let mut entries = Vec::new();
+        for (i, g) in arg_slice(groups, n_groups, "groups")?.iter().enumerate() {
+            let mut dims = arg_slice(g.dims, g.n_dims, format_args!("groups[{i}].dims"))?.to_vec();
+            dims.sort_unstable();
+            dims.dedup();
+            entries.push((dims, arg_ref(g.comm, &format!("groups[{i}].comm"))?));
+        }
+        let groups = Groups { entries, failure: RefCell::new(None) };
+        let reduce: fsdpturbo_reduce_fn = Some(reduce_with_groups);
+        let user = (&groups as *const Groups).cast_mut().cast();
+        let status = fsdpturbo_clip_grad_norm(options, grads, n_grads, reduce, user, out_total_norm);
+        match groups.failure.into_inner() {
+            Some(err) => Err(FfiError::new(
+                err.status,
+                format!("grad norm: {}; no gradient was modified", err.message),
+            )),
+            None if status != 0 => Err(FfiError::new(status, last_error_message())),
+            None => Ok(()),
+        }
     })
 }

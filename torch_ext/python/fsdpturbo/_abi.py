@@ -114,11 +114,11 @@ class fsdpturbo_clip_options_t(_c.Structure):
     pass
 
 
-class fsdpturbo_host_collective_t(_c.Structure):
+class fsdpturbo_comm_group_t(_c.Structure):
     pass
 
 
-class fsdpturbo_comm_group_t(_c.Structure):
+class fsdpturbo_host_collective_t(_c.Structure):
     pass
 
 
@@ -194,6 +194,11 @@ fsdpturbo_clip_options_t._fields_ = [
     ('error_if_nonfinite', _c.c_bool),
     ('accumulate_f64', _c.c_bool),
 ]
+fsdpturbo_comm_group_t._fields_ = [
+    ('dims', _c.POINTER(_c.c_uint32)),
+    ('n_dims', _c.c_size_t),
+    ('comm', _c.c_void_p),
+]
 fsdpturbo_host_collective_t._fields_ = [
     ('struct_size', _c.c_size_t),
     ('rank', _c.c_size_t),
@@ -203,11 +208,6 @@ fsdpturbo_host_collective_t._fields_ = [
     ('all_gather', fsdpturbo_host_all_gather_fn),
     ('reduce_scatter', fsdpturbo_host_all_reduce_fn),
     ('all_to_all_v', fsdpturbo_host_all_to_all_v_fn),
-]
-fsdpturbo_comm_group_t._fields_ = [
-    ('dims', _c.POINTER(_c.c_uint32)),
-    ('n_dims', _c.c_size_t),
-    ('comm', _c.c_void_p),
 ]
 fsdpturbo_npu_view_t._fields_ = [
     ('storage', _c.c_void_p),
@@ -303,10 +303,9 @@ FUNCTIONS = {
     'fsdpturbo_clip_grad_norm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, fsdpturbo_reduce_fn, _c.c_void_p, _c.POINTER(_c.c_double)]),
     'fsdpturbo_scale_in_place': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double]),
     'fsdpturbo_local_power_sum': (_c.c_int32, [_c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.c_double, _c.c_bool, _c.POINTER(_c.c_double)]),
+    'fsdpturbo_clip_grad_norm_comm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(fsdpturbo_comm_group_t), _c.c_size_t, _c.POINTER(_c.c_double)]),
     'fsdpturbo_comm_single_new': (_c.c_int32, [_c.POINTER(_c.c_void_p)]),
     'fsdpturbo_comm_host_new': (_c.c_int32, [_c.POINTER(fsdpturbo_host_collective_t), _c.POINTER(_c.c_void_p)]),
-    'fsdpturbo_nccl_version': (_c.c_int32, [_c.POINTER(_c.c_int32)]),
-    'fsdpturbo_nccl_unique_id': (_c.c_int32, [_c.c_char_p]),
     'fsdpturbo_comm_nccl_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_comm_nccl_new_with_timeout': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_size_t, _c.c_int32, _c.c_uint64, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_comm_free': (None, [_c.c_void_p]),
@@ -315,7 +314,8 @@ FUNCTIONS = {
     'fsdpturbo_comm_all_gather': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_void_p]),
     'fsdpturbo_comm_reduce_scatter': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int32, _c.c_void_p]),
     'fsdpturbo_comm_all_to_all_v': (_c.c_int32, [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.POINTER(_c.c_size_t), _c.c_int32, _c.c_void_p]),
-    'fsdpturbo_clip_grad_norm_comm': (_c.c_int32, [_c.POINTER(fsdpturbo_clip_options_t), _c.POINTER(fsdpturbo_grad_t), _c.c_size_t, _c.POINTER(fsdpturbo_comm_group_t), _c.c_size_t, _c.POINTER(_c.c_double)]),
+    'fsdpturbo_nccl_version': (_c.c_int32, [_c.POINTER(_c.c_int32)]),
+    'fsdpturbo_nccl_unique_id': (_c.c_int32, [_c.c_char_p]),
     'fsdpturbo_hccl_root_info': (_c.c_int32, [_c.c_char_p, _c.c_size_t]),
     'fsdpturbo_hccl_comm_new': (_c.c_int32, [_c.c_char_p, _c.c_size_t, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_void_p)]),
     'fsdpturbo_hccl_comm_name': (_c.c_int32, [_c.c_void_p, _c.c_char_p, _c.c_size_t]),

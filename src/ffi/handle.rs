@@ -18,8 +18,15 @@ pub(crate) fn invalid(message: String) -> FfiError {
     FfiError::new(FSDPTURBO_ERR_INVALID_ARGUMENT, message)
 }
 
-fn null(name: &str) -> FfiError {
+/// FSDPTURBO_ERR_NULL_ARGUMENT: argument `name`, which must not be NULL, is.
+pub(crate) fn null(name: &str) -> FfiError {
     FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, format!("argument `{name}` must not be NULL"))
+}
+
+/// FSDPTURBO_ERR_NULL_ARGUMENT for an argument that may be NULL only in some cases: `name` is
+/// NULL but `why` (the other arguments) needs it, e.g. "must hold 3 elements".
+pub(crate) fn null_but(name: &str, why: impl std::fmt::Display) -> FfiError {
+    FfiError::new(FSDPTURBO_ERR_NULL_ARGUMENT, format!("argument `{name}` is NULL but {why}"))
 }
 
 /// A shared reference to a non-NULL argument.
@@ -242,10 +249,7 @@ pub(crate) fn check_array<'n, T>(ptr: *const T, len: usize, name: &'n str) -> Re
         return Ok(region);
     }
     if ptr.is_null() {
-        return Err(FfiError::new(
-            FSDPTURBO_ERR_NULL_ARGUMENT,
-            format!("argument `{name}` is NULL but must hold {len} elements"),
-        ));
+        return Err(null_but(name, format_args!("must hold {len} elements")));
     }
     if let Some(fault) = array_fault(ptr, len) {
         return Err(invalid(format!("`{name}` {fault}")));

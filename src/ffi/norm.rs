@@ -10,10 +10,10 @@ use super::dtype::float_dtype_arg;
 use super::error::{FfiError, last_error_message};
 use super::handle::{
     Region, arg_ref, arg_slice, check_data, check_disjoint_outputs, check_struct_size, host_buf,
-    host_buf_mut, invalid, struct_size_of, write_array, write_out, write_slice,
+    host_buf_mut, invalid, null_but, struct_size_of, write_array, write_out, write_slice,
 };
 use super::panic::boundary;
-use super::status::{FSDPTURBO_ERR_BUFFER_TOO_SMALL, FSDPTURBO_ERR_NULL_ARGUMENT};
+use super::status::FSDPTURBO_ERR_BUFFER_TOO_SMALL;
 use crate::comm::ReduceOp;
 use crate::dtype::Dtype;
 use crate::host::HostBufMut;
@@ -126,10 +126,7 @@ fn grad_data<'n>(
     name: &'n str,
 ) -> Result<Region<'n>, FfiError> {
     if ptr.is_null() && numel > 0 {
-        return Err(FfiError::new(
-            FSDPTURBO_ERR_NULL_ARGUMENT,
-            format!("`{name}` is NULL but numel is {numel}; NULL is accepted only when numel is 0"),
-        ));
+        return Err(null_but(name, format_args!("numel is {numel}; NULL is accepted only when numel is 0")));
     }
     check_data(ptr, numel, dtype, name)
 }
@@ -261,9 +258,9 @@ pub extern "C" fn fsdpturbo_clip_grad_norm(
         let plan = norm_plan(&layouts)?;
         if reduce.is_none() {
             if let Some((s, set)) = plan.sets.iter().enumerate().find(|(_, set)| !set.is_empty()) {
-                return Err(FfiError::new(
-                    FSDPTURBO_ERR_NULL_ARGUMENT,
-                    format!("`reduce` is NULL but set {s} (mesh dims {set:?}) needs a collective"),
+                return Err(null_but(
+                    "reduce",
+                    format_args!("set {s} (mesh dims {set:?}) needs a collective"),
                 ));
             }
         }

@@ -3,8 +3,8 @@
 A transcription of the seed's `module_name_match` (the seed
 recompiles the pattern on every call) and of the three loops plan resolution runs over
 `named_modules()`: EP modules, EFSDP modules, and the outer-FSDP2 ignored parameters
-(§2.3, §4.5). Usage: seed_plan.py NAMES_FILE REPEATS; prints the median seconds of one
-resolution and the number of modules matched, as JSON.
+(what src/plan.rs resolves in one pass). Usage: seed_plan.py NAMES_FILE REPEATS; prints the
+median seconds of one resolution and the number of modules matched, as JSON.
 """
 import json
 import re

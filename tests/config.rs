@@ -230,7 +230,7 @@ fn example_config_file_parses() {
     assert_eq!(k.names, ["auto", "flash-linear-attention"]);
 }
 
-// ---- §10.2 kernel_config cases ---------------------------------------------------------------
+// ---- kernel_config: the cases of the seed's argument-parser tests ----------------------------
 
 #[test]
 fn kernel_config_of_test_args_parser_is_kept_verbatim() {
@@ -381,7 +381,7 @@ fn kernel_config_unknown_keys_and_shape() {
     );
 }
 
-// ---- §1.1 string coercions -------------------------------------------------------------------
+// ---- string coercions (the seed's `convert_str_dict`) ----------------------------------------
 
 #[test]
 fn dist_config_strings_are_coerced_like_convert_str_dict() {
@@ -522,7 +522,7 @@ fn top_level_fields_are_not_coerced() {
     assert_error(&error("bf16: yes\n"), "bf16", 1, "got string 'yes'");
 }
 
-// ---- §1.2 strict dist_config ------------------------------------------------------------------
+// ---- strict dist_config: an unknown key is an error with the seed's text ---------------------
 
 #[test]
 fn unknown_params_has_the_seeds_exact_text() {

@@ -406,7 +406,8 @@ fn multi_rank_bf16_gradients_with_f32_and_f64_accumulation() {
 
 #[test]
 fn the_seeds_reduce_everything_over_all_dims_over_counts_replicas() {
-    // Seed (§7.1): Σ of all local p-sums, all-reduced over every group: here one set spanning
+    // The seed's grad norm: Σ of all local p-sums, all-reduced over every group, so replicas
+    // count once per copy (where we differ: docs/seed.md, "Grad norm"): here one set spanning
     // the whole world, for every gradient.
     let model = model(3, false);
     let seed_plan = NormPlan { sets: vec![vec![EFSDP, EP, CP]], grad_set: vec![0; model.len()] };

@@ -30,7 +30,7 @@ fn compile_error(pattern: &str) -> String {
     err.message
 }
 
-// ---- Reference §2.2, one assertion per row and name ----
+// ---- The seed's worked examples (the language: src/pattern.rs), one assertion per row and name ----
 
 #[test]
 fn worked_examples_of_the_reference() {
@@ -69,7 +69,7 @@ fn the_seed_model_specs_match_their_modules() {
     assert!(!qwen35.is_match("model.visual.blocks.0.mlp"));
 }
 
-// ---- Reference §2.1 error texts ----
+// ---- The seed's error texts, word for word (trainers match on them: docs/design.md, "Conventions") ----
 
 #[test]
 fn error_texts_are_the_seeds() {

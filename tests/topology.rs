@@ -1,6 +1,7 @@
-//! Topology: sizes and errors (docs/design.md §4.6), mesh layout and groups
-//! (§3.2, §3.4) checked against an independent `arange(world).reshape(shape)` model, and the
-//! C ABI of `ffi/topology.rs`.
+//! Topology: sizes and errors (docs/design.md §4.6), the mesh layout (torch's
+//! `init_device_mesh`: a rank's coordinate is its mixed-radix digits, last dim fastest) and
+//! groups (the ranks that share every other coordinate) checked against an independent
+//! `arange(world).reshape(shape)` model, and the C ABI of `ffi/topology.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CString;
@@ -416,7 +417,8 @@ fn worked_example_world16_cp2_ep4() {
         assert_eq!(data.coordinate(r).unwrap(), vec![efsdp_i * 4 + ep_i, cp_i]);
         assert_eq!(m.group(r, &["expert_cp"]).unwrap(), data.group(r, &["cp"]).unwrap());
         assert_eq!(m.group(r, &["edp"]).unwrap(), vec![r]);
-        // §3.4 group formulas.
+        // The group formulas: ep group = {efsdp_i·ep·cp + j·cp + cp_i}, efsdp group =
+        // {k·ep·cp + ep_i·cp + cp_i}.
         let ep: Vec<u64> = (0..4).map(|j| efsdp_i * 4 * 2 + j * 2 + cp_i).collect();
         assert_eq!(m.group(r, &["ep"]).unwrap(), ep);
         let efsdp: Vec<u64> = (0..2).map(|k| k * 4 * 2 + ep_i * 2 + cp_i).collect();

@@ -9,7 +9,7 @@
 #include "ascend/aclnn.h"
 #include "ascend/hccl.h"
 
-/* §5.1 HcclResult (every value), HcclReduceOp (no AVG), HcclDataType, root info. */
+/* HCCL (hccl_types.h): HcclResult (every value), HcclReduceOp (no AVG), HcclDataType, root info. */
 static_assert(HCCL_SUCCESS == 0 && HCCL_E_PARA == 1 && HCCL_E_PTR == 2 && HCCL_E_MEMORY == 3, "HcclResult");
 static_assert(HCCL_E_INTERNAL == 4 && HCCL_E_NOT_SUPPORT == 5 && HCCL_E_NOT_FOUND == 6 && HCCL_E_UNAVAIL == 7,
               "HcclResult");
@@ -32,7 +32,7 @@ static_assert(HCCL_DATA_TYPE_FP8E5M2 == 16 && HCCL_DATA_TYPE_FP8E8M0 == 17 && HC
 static_assert(HCCL_ROOT_INFO_BYTES == 4108 && sizeof(HcclRootInfo) == 4108, "HcclRootInfo is 4108 bytes");
 static_assert(sizeof(HcclComm) == sizeof(void *) && sizeof(aclrtStream) == sizeof(void *), "handles are pointers");
 
-/* §5.3 ACL runtime. */
+/* The ACL runtime (acl_base.h, acl_rt.h). */
 static_assert(ACL_SUCCESS == 0 && ACL_ERROR_REPEAT_INITIALIZE == 100002, "aclError");
 static_assert(sizeof(aclError) == sizeof(int), "aclError is int");
 static_assert(ACL_MEMCPY_HOST_TO_HOST == 0 && ACL_MEMCPY_HOST_TO_DEVICE == 1 && ACL_MEMCPY_DEVICE_TO_HOST == 2 &&
@@ -41,7 +41,7 @@ static_assert(ACL_MEMCPY_HOST_TO_HOST == 0 && ACL_MEMCPY_HOST_TO_DEVICE == 1 && 
 static_assert(ACL_MEM_MALLOC_HUGE_FIRST == 0 && ACL_MEM_MALLOC_HUGE_ONLY == 1 && ACL_MEM_MALLOC_NORMAL_ONLY == 2,
               "aclrtMemMallocPolicy");
 
-/* §6.3 aclDataType, aclFormat, statuses. */
+/* What aclCreateTensor takes (aclDataType, aclFormat: acl_base.h), and aclnn's statuses. */
 static_assert(ACL_FLOAT == 0 && ACL_FLOAT16 == 1 && ACL_INT8 == 2 && ACL_INT32 == 3 && ACL_UINT8 == 4, "aclDataType");
 static_assert(ACL_INT16 == 6 && ACL_UINT16 == 7 && ACL_UINT32 == 8 && ACL_INT64 == 9 && ACL_UINT64 == 10, "aclDataType");
 static_assert(ACL_DOUBLE == 11 && ACL_BOOL == 12 && ACL_BF16 == 27 && ACL_FLOAT8_E5M2 == 35 &&
@@ -49,7 +49,7 @@ static_assert(ACL_DOUBLE == 11 && ACL_BOOL == 12 && ACL_BF16 == 27 && ACL_FLOAT8
               "aclDataType");
 static_assert(ACL_FORMAT_ND == 2 && ACL_FORMAT_NCHW == 0 && ACL_FORMAT_FRACTAL_NZ == 29, "aclFormat");
 static_assert(ACLNN_ERR_PARAM_NULLPTR == 161001 && ACLNN_ERR_PARAM_INVALID == 161002, "aclnnStatus");
-/* §6.4 GMMActType. */
+/* aclnnGroupedMatmul's GMMActType. */
 static_assert(GMM_ACT_TYPE_NONE == 0 && GMM_ACT_TYPE_RELU == 1 && GMM_ACT_TYPE_GELU_TANH == 2 &&
                   GMM_ACT_TYPE_GELU_ERR_FUNC == 3 && GMM_ACT_TYPE_FAST_GELU == 4 && GMM_ACT_TYPE_SILU == 5,
               "GMMActType");
@@ -79,12 +79,13 @@ typedef aclnnStatus (*gmm_v5_t)(const aclTensorList *, const aclTensorList *, co
 typedef aclIntArray *(*create_int_array_t)(const int64_t *, uint64_t);
 typedef int (*destroy_int_array_t)(const aclIntArray *);
 typedef HcclResult (*comm_name_t)(HcclComm, char *);
-/* §6.5 token permute / unpermute. */
+/* Token permute / unpermute (aclnnMoeTokenPermute, aclnnMoeTokenUnpermute). */
 typedef aclnnStatus (*permute_t)(const aclTensor *, const aclTensor *, int64_t, bool, const aclTensor *,
                                  const aclTensor *, uint64_t *, aclOpExecutor **);
 typedef aclnnStatus (*unpermute_t)(const aclTensor *, const aclTensor *, const aclTensor *, bool, const aclIntArray *,
                                    aclTensor *, uint64_t *, aclOpExecutor **);
-/* §6.6 MC2. */
+/* MC2: the all-to-all-v fused with the grouped matmul, both ways (aclnnAlltoAllvGroupedMatMul,
+ * aclnnGroupedMatMulAlltoAllv). */
 typedef aclnnStatus (*alltoallv_gmm_t)(const aclTensor *, const aclTensor *, const aclTensor *, const aclTensor *,
                                        const aclTensor *, const aclTensor *, const char *, int64_t,
                                        const aclIntArray *, const aclIntArray *, bool, bool, bool, aclTensor *,

@@ -348,6 +348,18 @@ def test_expert_parallelism_warns_of_the_pinned_plugins_cp_divide_factor(runs):
         assert (warning in text and "docs/llamafactory-cp.md" in text) == warned, f"{case}: warned {not warned}"
 
 
+def test_llamafactorys_lora_refuses_expert_target_parameters():
+    """What docs/llamafactory.md says of LoRA on the experts through LlamaFactory's own LoRA
+    plugin, pinned: its parameters have no `target_parameters` and are parsed strictly, so a
+    `peft_config` naming the expert weights is refused before any model is built."""
+    from llamafactory.v1.plugins.model_plugins.peft import LoraParams, PeftPlugin
+
+    config = {"name": "lora", "target_modules": ["q_proj"],
+              "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    with pytest.raises(ValueError, match=r"Unknown params for PeftPlugin\.LoraParams: \['target_parameters'\]"):
+        PeftPlugin.parse_params(config, LoraParams)
+
+
 def test_the_cp_launcher_refuses_another_llamafactory_build(monkeypatch):
     """fsdpturbo.llamafactory.launch changes the pinned build's plugin only: on another build
     (which may carry LlamaFactory's own fix) the same changes would be wrong."""

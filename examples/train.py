@@ -181,7 +181,8 @@ def check_parity(args, history, records, params, world):
         gate = reference.optimizer_step(grads)
         for name, value in after.items():
             note("parameters after the step", step, gate, name, value)
-    print(f"  bound per element: {C:g} × (the float32 reference's largest rounding in its tensor + 2^-24 |ref|)")
+    print(f"  bound per element: {C:g} × (the float32 reference's largest rounding in its tensor, or its expert's slice, "
+          "+ 2^-24 |ref|)")
     print("  worst element, as a fraction of its bound:")
     for what, (ratio, step, name, _, _) in worst.items():
         print(f"  {what:<28}{ratio:>8.3f}   (step {step}, {name})")

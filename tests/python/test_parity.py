@@ -66,6 +66,25 @@ def test_gate_bound_and_message():
         gate.check("w", torch.tensor([[1.0, -2.0], [float("nan"), 4.0]]))
 
 
+def test_a_fault_in_a_quiet_expert_is_not_hidden_by_a_busy_ones_rounding():
+    """A stack of experts' gradients [E, out, in]: expert 0 summed many large terms (rounding
+    1e-4), expert 1 few small ones (values 1e-6, rounding 1e-13). Expert 1's gradient doubled
+    is off by 1e-6, far inside a bound taken over the whole tensor (16 × 1e-4) and far outside
+    expert 1's own (16 × 1e-13 + 16 × 2^-24 × 2e-6)."""
+    def per_expert(busy, quiet):
+        return torch.cat([torch.full((1, 2, 3), busy, dtype=torch.float64),
+                          torch.full((1, 2, 3), quiet, dtype=torch.float64)])
+
+    ref64, error = per_expert(10.0, 1e-6), per_expert(1e-4, 1e-13)
+    gate = parity.gate({"grad experts": ref64}, [{"grad experts": ref64 + error}])
+    gate.check("grad experts", ref64 - error)  # another order, rounding as much the other way
+    doubled = ref64.clone()
+    doubled[1] *= 2
+    with pytest.raises(parity.ParityError, match=r"grad experts\[1, 0, 0\] is 2e-06, the float64 reference 1e-06.*"
+                                                 r"reference rounding 1e-13.*\(6 of 12 elements out\)"):
+        gate.check("grad experts", doubled)
+
+
 def test_reference_needs_an_optimizer_to_step():
     reference = parity.Reference(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="made without an optimizer"):

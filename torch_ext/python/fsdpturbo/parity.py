@@ -13,11 +13,15 @@ a wrong run. So a run is compared with two one-process references of the same st
 
 Per element i of a tensor T:
 
-    |ours_i - ref64_i| <= C · (max over T and the float32 orders of |ref32 - ref64| + U32 · |ref64_i|)
+    |ours_i - ref64_i| <= C · (max over S(i) and the float32 orders of |ref32 - ref64| + U32 · |ref64_i|)
 
-The first term is the largest rounding error the float32 reference makes anywhere in T: it is
-measured from the summed terms themselves (a gradient that is the small difference of large
-terms has a large one), not from the result's magnitude. The second is the element's own last
+S(i) is T, or for a stack of experts' tensors (3 or more dims: [experts, ...]) the slice of
+i's expert. The first term is the largest rounding error the float32 reference makes in S(i):
+it is measured from the summed terms themselves (a gradient that is the small difference of
+large terms has a large one), not from the result's magnitude. Per expert because each expert
+sums its own tokens' terms: an expert that got few tokens has a gradient, and a rounding, far
+below a busy one's, and a fault in that expert alone (a wrong owner, a doubled gradient) must
+not hide under the busy expert's rounding. The second is the element's own last
 rounding, which any float32 result carries even where the reference happens to be exact (a
 scalar loss, say). C = 16: another correct order rounds differently but not worse by more than a
 small factor (measured worst 3.4, a compiled model's router gradient, over every gated test and
@@ -120,18 +124,31 @@ def float64_mode(replay=None):
 
 @dataclass
 class _Expected:
-    """One tensor's float64 reference and the largest float32 rounding of it."""
+    """One tensor's float64 reference and the largest float32 rounding of it (over the tensor,
+    or per expert of a stack of experts: shape [experts, 1, ...])."""
     ref64: torch.Tensor
-    rounding: float
+    rounding: torch.Tensor
     unit: float  # the unit roundoff of the run's dtype
 
     def bound(self, c):
         return c * (self.rounding + self.unit * self.ref64.abs())
 
+    def rounding_at(self, j):
+        return self.rounding.expand_as(self.ref64).flatten()[j].item()
+
+
+def _largest_rounding(error):
+    """max |ref32 - ref64| over the tensor, or over each expert's slice of a stack of experts."""
+    if not error.numel():
+        return torch.zeros((), dtype=torch.float64)
+    if error.dim() >= 3:
+        return error.amax(dim=tuple(range(1, error.dim())), keepdim=True)
+    return error.max()
+
 
 def _expected(ref64, samples, unit):
     ref64 = ref64.detach().double()
-    rounding = max(((r.detach().double() - ref64).abs().max().item() if ref64.numel() else 0.0) for r in samples)
+    rounding = torch.stack([_largest_rounding((r.detach().double() - ref64).abs()) for r in samples]).amax(0)
     return _Expected(ref64, rounding, unit)
 
 
@@ -171,7 +188,7 @@ class Gate:
             out = int(((ours - e.ref64).abs() > e.bound(self.c)).sum())
             raise ParityError(
                 f"{label}{list(index) if index else ''} is {got:.9g}, the float64 reference {want:.9g}: "
-                f"|diff| {abs(got - want):.3g} > bound {self.c:g} × (reference rounding {e.rounding:.3g} + "
+                f"|diff| {abs(got - want):.3g} > bound {self.c:g} × (reference rounding {e.rounding_at(j):.3g} + "
                 f"{e.unit:.3g} × |ref| {e.unit * abs(want):.3g}) = {e.bound(self.c).flatten()[j].item():.3g} "
                 f"({out} of {ours.numel()} elements out)")
 

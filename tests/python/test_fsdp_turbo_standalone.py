@@ -86,6 +86,19 @@ def counted_rms_norm_forward(self, hidden_states):
     return Qwen3MoeRMSNorm.forward(self, hidden_states)
 
 
+def _assert_units_as_configured(model, plan):
+    """Every unit of `apply_modules` (the decoder layers, then `lm_head`) has the plan's offload
+    policy and prefetches the next unit in forward and the previous one in backward
+    (num_to_*_prefetch 1)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    states = [unit._get_fsdp_state() for unit in [*model.model.layers, model.lm_head]]
+    for i, state in enumerate(states):
+        assert isinstance(state._fsdp_param_group.offload_policy, CPUOffloadPolicy) == plan.cpu_offload, i
+        assert state._states_to_forward_prefetch == states[i + 1:i + 2], i
+        assert state._states_to_backward_prefetch == states[max(0, i - 1):i], i
+
+
 def _swift_rank_fn(rank, world, layouts):
     from fsdp_turbo.distributed.parallel_state import reset_parallel_state
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
@@ -99,11 +112,14 @@ def _swift_rank_fn(rank, world, layouts):
         config = swift_config(fsdp, ep, efsdp, dispatcher, [patch])
         model = meta_model()
         names = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        # swift sets this after construction (its fp32 parameters kept whole); read at wrap time
+        # swift sets this after construction (its fp32 parameters kept whole); read at wrap time,
+        # as is verl's `cpu_offload` (set here on the fused layout)
         config.distributed.fsdp_plan.ignored_params = ["model.norm.weight"]
+        config.distributed.fsdp_plan.cpu_offload = dispatcher == "fused"
         wrapper = FSDPTurbo(config, model)
         assert wrapper.model is model and {n: tuple(p.shape) for n, p in model.named_parameters()} == names
         assert type(model.model.norm.weight) is torch.nn.Parameter and not hasattr(model.model.norm.weight, "placements")
+        _assert_units_as_configured(model, config.distributed.fsdp_plan)
         load_from_rank0(model, build_model("qwen3_moe") if rank == 0 else None)
         state = wrapper.parallel_state
         reference = Reference(build_model("qwen3_moe"), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
@@ -133,8 +149,8 @@ def _swift_rank_fn(rank, world, layouts):
 
 @pytest.mark.parity
 def test_swift_shape_trains_as_one_process():
-    """(fsdp 4, ep 2, efsdp 2, eager) and HSDP (fsdp 2 × data 2, ep 4, fused), with recompute,
-    prefetch, hook modules, a class-member module patch and a parameter kept whole."""
+    """(fsdp 4, ep 2, efsdp 2, eager) and HSDP (fsdp 2 × data 2, ep 4, fused, CPU offload), with
+    recompute, prefetch, hook modules, a class-member module patch and a parameter kept whole."""
     run_ranks(_swift_rank_fn, 4, [(4, 2, 2, "eager"), (2, 4, 1, "fused")], timeout=400)
 
 

@@ -19,10 +19,9 @@ import os
 import stat
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import hf_layout
+from . import _dist, hf_layout
 from .placement import _load_placement, _slice_target, copy_weights_, gather_full
 from .progress import Progress
 
@@ -458,7 +457,7 @@ def full_state_dict(model, device="cpu", rank=None):
     others get {} and hold one tensor at a time)."""
     from torch.distributed.tensor import DTensor
 
-    keep = rank is None or not dist.is_initialized() or dist.get_rank() == rank
+    keep = rank is None or _dist.rank() == rank
     out = {}
     for name, tensor in list(model.named_parameters()) + list(_persistent_buffers(model)):
         full = gather_full(tensor) if isinstance(tensor, DTensor) else tensor.detach().clone()
@@ -473,8 +472,7 @@ def save_hf_weights(model, path, rank=0):
     model's own `save_pretrained(path, state_dict=...)` (its config and Hugging Face's on-disk
     layout, e.g. per-expert weights). Every rank returns `path` after the files exist."""
     state = full_state_dict(model, rank=rank)
-    if not dist.is_initialized() or dist.get_rank() == rank:
+    if _dist.rank() == rank:
         model.save_pretrained(os.fspath(path), state_dict=state)
-    if dist.is_initialized():
-        dist.barrier()
+    _dist.barrier()
     return path

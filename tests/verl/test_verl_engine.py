@@ -33,8 +33,12 @@ from verl_harness import (  # noqa: E402
     GRAD_NORM_RTOL, LOG_PROB_ATOL, LOSS_RTOL, STEPS, Case, assert_weights_equal, build_engine, deviation, launch,
     log_probs_of, train)
 
-CASES = [Case(2, 2, "eager", False), Case(2, 2, "fused", True, fsdp=2), Case(4, 1, "eager", True, hf_checkpointing=True),
-         Case(4, 1, "fused", False, offload=True), Case(4, 1, "eager", True), Case(2, 2, "eager", True, lora=True)]
+# Every (layout, dispatcher, recompute) combination, and beside them HSDP, verl's own gradient
+# checkpointing, CPU offload and verl's LoRA.
+CASES = [Case(2, 2, "eager", False), Case(2, 2, "eager", True), Case(2, 2, "fused", False),
+         Case(2, 2, "fused", True, fsdp=2), Case(4, 1, "eager", False), Case(4, 1, "eager", True),
+         Case(4, 1, "fused", False, offload=True), Case(4, 1, "fused", True), Case(4, 1, "eager", True, hf_checkpointing=True),
+         Case(2, 2, "eager", True, lora=True)]
 
 
 def _rank_fn(rank, world, model_dir, batches, cases, out_path):

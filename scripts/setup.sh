@@ -16,9 +16,10 @@ if ((${#need[@]})); then
 fi
 command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
 
-[ -x .venv/bin/python ] || { step "creating the Python environment .venv"; python3 -m venv .venv; }
+pip_quiet=-q  # a fresh environment shows pip's downloads: minutes of them the first time
+[ -x .venv/bin/python ] || { step "creating the Python environment .venv"; python3 -m venv .venv; pip_quiet=; }
 step "Python packages (requirements-dev.txt: torch, transformers, ...; the first run downloads about 3 GB)"
-.venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+.venv/bin/pip install $pip_quiet --disable-pip-version-check -r requirements-dev.txt
 # LlamaFactory pins transformers <= 5.8.0: a second copy (with its dependencies) that the ctest
 # entry pytest_transformers_5_8 puts first on PYTHONPATH, to run the engine tests against it too.
 if [ ! -d .venv/transformers-5.8 ]; then

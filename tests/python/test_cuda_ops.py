@@ -142,11 +142,13 @@ def _grouped_reference(x, counts, w, gy):
 
 @pytest.mark.parametrize("path", ["cublas", "cublas_loop", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_mm_forward_and_backward(path, dtype, gen, monkeypatch):
+@pytest.mark.parametrize("inf,outf", [(256, 128), (256, 8), (8, 128)], ids=["expert", "lora_a", "lora_b"])
+def test_grouped_mm_forward_and_backward(path, dtype, inf, outf, gen, monkeypatch):
+    """An expert's projection, and the rank-r (r = 8) factors of expert LoRA around it."""
     if path == "torch" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability() < (9, 0)):
         pytest.skip("torch._grouped_mm takes bf16 on sm90+")
     monkeypatch.setenv("FSDPTURBO_GROUPED_MM", path)
-    groups, inf, outf = 8, 256, 128
+    groups = 8
     counts = torch.randint(0, 300, (groups,), device=DEV, generator=gen)
     counts[[1, 5]] = 0  # empty experts
     n = int(counts.sum())

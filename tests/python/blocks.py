@@ -99,9 +99,10 @@ ROUTES = {
 
 
 def ep_block(mesh, dispatcher, capacity, dtype, route=None, rank=0, world=1, seed=0):
-    """moe_block(8, 2) under EP over `mesh` with `dispatcher` (and a `capacity`), the router forced
-    to this rank's rows of `route` over every rank's tokens when given."""
-    block = moe_block(8, 2, dtype, seed=seed)
+    """moe_block(8, 2) on `mesh`'s device under EP over `mesh` with `dispatcher` (and a
+    `capacity`), the router forced to this rank's rows of `route` over every rank's tokens when
+    given."""
+    block = moe_block(8, 2, dtype, seed=seed).to(mesh.device_type)
     if route is not None:
         override_router(block, lambda t: route(world * TOKENS_PER_RANK)[rank * t:(rank + 1) * t])
     return expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher,

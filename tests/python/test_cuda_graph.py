@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpturbo.moe.dispatch import Capacity
-from fsdpturbo.ep import EPPlanConfig, expert_parallelize_modules
-from blocks import moe_block
+from blocks import ep_block
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,10 +35,7 @@ def ep_mesh():
     dist.destroy_process_group()
 
 
-def _ep_block(mesh, dispatcher, capacity=Capacity(factor=2.0)):
-    block = moe_block(8, 2, torch.float32).cuda()
-    return expert_parallelize_modules(block, mesh, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher,
-                                                                capacity=capacity))
+CAPACITY = Capacity(factor=2.0)
 
 
 def _inputs(seed):
@@ -57,7 +53,7 @@ def _step(block, x, cotangent):
 
 @pytest.mark.parametrize("dispatcher", ["eager", "fused"])
 def test_no_host_sync_in_forward_and_backward(ep_mesh, dispatcher):
-    block = _ep_block(ep_mesh, dispatcher)
+    block = ep_block(ep_mesh, dispatcher, CAPACITY, torch.float32)
     x, cotangent = _inputs(0)
     _step(block, x, cotangent)  # first calls may allocate and load kernels
     torch.cuda.synchronize()
@@ -71,7 +67,7 @@ def test_no_host_sync_in_forward_and_backward(ep_mesh, dispatcher):
 
 @pytest.mark.parametrize("dispatcher", ["eager", "fused"])
 def test_captured_in_a_cuda_graph_and_replayed_equals_eager(ep_mesh, dispatcher):
-    block, reference = _ep_block(ep_mesh, dispatcher), _ep_block(ep_mesh, dispatcher)
+    block, reference = (ep_block(ep_mesh, dispatcher, CAPACITY, torch.float32) for _ in range(2))
     static_x, static_cotangent = _inputs(0)
     static_x.requires_grad_(True)
 
@@ -110,7 +106,7 @@ def test_captured_in_a_cuda_graph_and_replayed_equals_eager(ep_mesh, dispatcher)
                                                  ("eager", None), ("fused", None), ("domino", None)])
 def test_compile_equals_eager(ep_mesh, dispatcher, capacity):
     """fullgraph with a capacity; the dropless dispatchers break once, at the host read."""
-    eager, compiled = _ep_block(ep_mesh, dispatcher, capacity), _ep_block(ep_mesh, dispatcher, capacity)
+    eager, compiled = (ep_block(ep_mesh, dispatcher, capacity, torch.float32) for _ in range(2))
     run = torch.compile(compiled, fullgraph=capacity is not None)
     x, cotangent = _inputs(3)
     for label, a, b in zip(("output", "input grad", "router grad", "gate_up grad"), _step(run, x, cotangent),

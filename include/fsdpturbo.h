@@ -240,7 +240,8 @@ typedef struct {
 
 // A model described by its module names (named_modules() order) and parameters.
 // `param_shapes` holds the dims of every parameter back to back; `param_ndims[i]` says how
-// many belong to parameter i.
+// many belong to parameter i. Initialise with FSDPTURBO_MODEL_DESC_INIT: `struct_size` is read
+// first and alone, and one below this version's size is FSDPTURBO_ERR_STRUCT_SIZE.
 typedef struct {
   size_t struct_size;
   const char *model_type;
@@ -647,7 +648,9 @@ int32_t fsdpturbo_spec_register(const char *model_type,
 int32_t fsdpturbo_spec_to_json(const char *model_type, char *buf, size_t cap, size_t *out_len);
 
 // Resolves the plan of the model described by `desc` under `config` and `topology`, using the
-// process-wide spec registry (built-ins plus fsdpturbo_spec_register).
+// process-wide spec registry (built-ins plus fsdpturbo_spec_register). A `desc.struct_size`
+// below the size of fsdpturbo_model_desc_t is FSDPTURBO_ERR_STRUCT_SIZE (nothing else of `desc`
+// is read); on any failure `*out` is left as it was.
 int32_t fsdpturbo_plan_resolve(const fsdpturbo_model_desc_t *desc,
                                const fsdpturbo_config_t *config,
                                const fsdpturbo_topology_t *topology,

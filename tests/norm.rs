@@ -1074,7 +1074,11 @@ fn c_abi_rejects_nulls_bad_integers_and_bad_structs() {
     let small = fsdpturbo_clip_options_t { struct_size: 16, ..options() };
     let (s, m) = call(&small, &[g(&|_| {})], Some(record), &mut total);
     assert_eq!(s, FSDPTURBO_ERR_STRUCT_SIZE);
-    assert!(m.contains("fsdpturbo_clip_options_t.struct_size") && m.contains("is 16"), "{m}");
+    assert_eq!(
+        m,
+        "argument `options` (fsdpturbo_clip_options_t) has struct_size 16; this library accepts 32 (the \
+         first version's size) or more (a newer header's): initialise it with FSDPTURBO_CLIP_OPTIONS_INIT"
+    );
     #[repr(C)]
     struct Newer {
         v1: fsdpturbo_clip_options_t,

@@ -953,8 +953,9 @@ fn ffi_struct_size() {
         assert_eq!(
             last_error(),
             format!(
-                "`options.struct_size` is {small} but this library needs at least {full}; \
-                 initialise the struct with its FSDPTURBO_*_INIT macro"
+                "argument `options` (fsdpturbo_topology_options_t) has struct_size {small}; this library \
+                 accepts {full} (the first version's size) or more (a newer header's): initialise it with \
+                 FSDPTURBO_TOPOLOGY_OPTIONS_INIT"
             )
         );
     }

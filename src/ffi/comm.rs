@@ -112,7 +112,9 @@ pub extern "C" fn fsdpturbo_comm_host_new(
         check_struct_size(
             struct_size_of(callbacks, "callbacks")?,
             HOST_COLLECTIVE_V1_SIZE,
+            "callbacks",
             "fsdpturbo_host_collective_t",
+            None,
         )?;
         let c = arg_ref(callbacks, "callbacks")?;
         if c.world_size == 0 || c.rank >= c.world_size {

@@ -176,15 +176,28 @@ pub(crate) fn struct_size_of<T>(ptr: *const T, name: &str) -> Result<usize, FfiE
     Ok(unsafe { ptr.cast::<usize>().read_unaligned() })
 }
 
-/// Checks the `struct_size` of a versioned option struct: smaller than the first published
-/// version is rejected; larger (a newer header) is accepted and the unknown tail ignored.
-pub(crate) fn check_struct_size(struct_size: usize, minimum: usize, name: &str) -> Result<(), FfiError> {
+/// Checks the `struct_size` of argument `arg`, a versioned struct of type `ty`: smaller than
+/// `minimum`, the size of its first published version, is rejected with a message naming the
+/// argument, the struct, the size given and the sizes accepted, and how to set it (`init`, the
+/// struct's FSDPTURBO_*_INIT macro where it has one, else `sizeof`); larger (a newer header) is
+/// accepted and the unknown tail ignored.
+pub(crate) fn check_struct_size(
+    struct_size: usize,
+    minimum: usize,
+    arg: &str,
+    ty: &str,
+    init: Option<&str>,
+) -> Result<(), FfiError> {
     if struct_size < minimum {
+        let fix = match init {
+            Some(init) => format!("initialise it with {init}"),
+            None => format!("set struct_size to sizeof({ty})"),
+        };
         return Err(FfiError::new(
             FSDPTURBO_ERR_STRUCT_SIZE,
             format!(
-                "`{name}.struct_size` is {struct_size} but this library needs at least {minimum}; \
-                 initialise the struct with its FSDPTURBO_*_INIT macro"
+                "argument `{arg}` ({ty}) has struct_size {struct_size}; this library accepts {minimum} \
+                 (the first version's size) or more (a newer header's): {fix}"
             ),
         ));
     }

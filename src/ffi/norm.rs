@@ -97,7 +97,13 @@ fn read_bool(field: *const bool, name: &str) -> Result<bool, FfiError> {
 }
 
 fn clip_options(ptr: *const fsdpturbo_clip_options_t) -> Result<ClipOptions, FfiError> {
-    check_struct_size(struct_size_of(ptr, "options")?, CLIP_OPTIONS_V1_SIZE, "fsdpturbo_clip_options_t")?;
+    check_struct_size(
+        struct_size_of(ptr, "options")?,
+        CLIP_OPTIONS_V1_SIZE,
+        "options",
+        "fsdpturbo_clip_options_t",
+        Some("FSDPTURBO_CLIP_OPTIONS_INIT"),
+    )?;
     // SAFETY: non-NULL, and the caller guarantees a readable struct of at least the
     // `struct_size` it declares, which is at least the v1 size (checked).
     let (max_norm, norm_type) =

@@ -47,7 +47,8 @@ pub const FSDPTURBO_PARAM_DENSE: i32 = 3;
 
 /// A model described by its module names (named_modules() order) and parameters.
 /// `param_shapes` holds the dims of every parameter back to back; `param_ndims[i]` says how
-/// many belong to parameter i.
+/// many belong to parameter i. Initialise with FSDPTURBO_MODEL_DESC_INIT: `struct_size` is read
+/// first and alone, and one below this version's size is FSDPTURBO_ERR_STRUCT_SIZE.
 #[repr(C)]
 pub struct fsdpturbo_model_desc_t {
     pub struct_size: usize,
@@ -63,7 +64,13 @@ pub struct fsdpturbo_model_desc_t {
 const MODEL_DESC_V1_SIZE: usize = std::mem::size_of::<fsdpturbo_model_desc_t>();
 
 fn model_tree(desc: *const fsdpturbo_model_desc_t) -> Result<ModelTree, FfiError> {
-    check_struct_size(struct_size_of(desc, "desc")?, MODEL_DESC_V1_SIZE, "fsdpturbo_model_desc_t")?;
+    check_struct_size(
+        struct_size_of(desc, "desc")?,
+        MODEL_DESC_V1_SIZE,
+        "desc",
+        "fsdpturbo_model_desc_t",
+        Some("FSDPTURBO_MODEL_DESC_INIT"),
+    )?;
     let desc = arg_ref(desc, "desc")?;
     let model_type = arg_str(desc.model_type, "desc.model_type")?;
     let modules = arg_strs(desc.module_names, desc.n_modules, "desc.module_names")?;
@@ -96,7 +103,9 @@ fn resolve(tree: ModelTree, config: &TrainConfig, topology: &Topology) -> Result
 }
 
 /// Resolves the plan of the model described by `desc` under `config` and `topology`, using the
-/// process-wide spec registry (built-ins plus fsdpturbo_spec_register).
+/// process-wide spec registry (built-ins plus fsdpturbo_spec_register). A `desc.struct_size`
+/// below the size of fsdpturbo_model_desc_t is FSDPTURBO_ERR_STRUCT_SIZE (nothing else of `desc`
+/// is read); on any failure `*out` is left as it was.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_plan_resolve(
     desc: *const fsdpturbo_model_desc_t,

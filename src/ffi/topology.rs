@@ -132,7 +132,13 @@ pub extern "C" fn fsdpturbo_topology_new(
     boundary(|| {
         let struct_size = struct_size_of(options, "options")?;
         write_out(out, "out", std::ptr::null_mut())?;
-        check_struct_size(struct_size, TOPOLOGY_OPTIONS_V1_SIZE, "options")?;
+        check_struct_size(
+            struct_size,
+            TOPOLOGY_OPTIONS_V1_SIZE,
+            "options",
+            "fsdpturbo_topology_options_t",
+            Some("FSDPTURBO_TOPOLOGY_OPTIONS_INIT"),
+        )?;
         let options = arg_ref(options, "options")?;
         let spec = TopologySpec {
             world_size: options.world_size,

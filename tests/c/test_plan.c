@@ -103,6 +103,59 @@ static void test_round_trip(void) {
   fsdpturbo_config_free(config);
 }
 
+/* `desc.struct_size` is read first and alone, like every versioned struct's: below the size of
+ * fsdpturbo_model_desc_t (this header's version is its first) it is FSDPTURBO_ERR_STRUCT_SIZE
+ * naming the argument, the struct and the sizes accepted, and nothing else is read; a newer
+ * header's larger struct is accepted and its tail ignored. `desc` describes a valid model. */
+static void test_model_desc_struct_size(const fsdpturbo_model_desc_t *desc, const fsdpturbo_config_t *config,
+                                        const fsdpturbo_topology_t *topology) {
+  const size_t full = sizeof(fsdpturbo_model_desc_t);
+  const size_t short_sizes[] = {0, sizeof(size_t), full - sizeof(void *), full - 1};
+  char expected[256];
+  for (size_t i = 0; i < sizeof short_sizes / sizeof short_sizes[0]; ++i) {
+    fsdpturbo_model_desc_t small = *desc;
+    small.struct_size = short_sizes[i];
+    fsdpturbo_plan_t *plan = (fsdpturbo_plan_t *)&small; /* must be left alone on failure */
+    CHECK_STATUS(fsdpturbo_plan_resolve(&small, config, topology, &plan), FSDPTURBO_ERR_STRUCT_SIZE);
+    CHECK(plan == (fsdpturbo_plan_t *)&small);
+    snprintf(expected, sizeof expected,
+             "argument `desc` (fsdpturbo_model_desc_t) has struct_size %zu; this library accepts %zu (the "
+             "first version's size) or more (a newer header's): initialise it with FSDPTURBO_MODEL_DESC_INIT",
+             short_sizes[i], full);
+    CHECK(last_error_contains(expected));
+  }
+
+  /* A caller whose struct holds nothing but struct_size: only those bytes exist, and only they
+   * are read (a read past them shows under ASan or valgrind). */
+  size_t *only_size = malloc(sizeof *only_size);
+  CHECK(only_size != NULL);
+  if (only_size != NULL) {
+    *only_size = sizeof *only_size;
+    fsdpturbo_plan_t *plan = NULL;
+    CHECK_STATUS(fsdpturbo_plan_resolve((const fsdpturbo_model_desc_t *)(void *)only_size, config, topology, &plan),
+                 FSDPTURBO_ERR_STRUCT_SIZE);
+    CHECK(plan == NULL);
+    snprintf(expected, sizeof expected, "has struct_size %zu;", sizeof *only_size);
+    CHECK(last_error_contains(expected));
+    free(only_size);
+  }
+
+  /* A newer header's struct: larger, with fields this library does not know. */
+  struct {
+    fsdpturbo_model_desc_t v1;
+    uint64_t future[3];
+  } newer;
+  newer.v1 = *desc;
+  newer.v1.struct_size = sizeof newer;
+  newer.future[0] = newer.future[1] = newer.future[2] = UINT64_MAX;
+  fsdpturbo_plan_t *plan = NULL;
+  CHECK_STATUS(fsdpturbo_plan_resolve(&newer.v1, config, topology, &plan), FSDPTURBO_OK);
+  size_t modules = 0;
+  CHECK_STATUS(fsdpturbo_plan_num_ep_modules(plan, &modules), FSDPTURBO_OK);
+  CHECK(modules == 1);
+  fsdpturbo_plan_free(plan);
+}
+
 /* A user model registered from C, described by its module and parameter names. */
 static void test_user_spec(void) {
   const char *ep[] = {"blocks.{*}.moe.experts"};
@@ -138,6 +191,8 @@ static void test_user_spec(void) {
   CHECK_STATUS(fsdpturbo_plan_param_role(plan, "blocks.0.moe.experts.w_out", &role), FSDPTURBO_OK);
   CHECK(role == FSDPTURBO_PARAM_EXPERT);
   fsdpturbo_plan_free(plan);
+
+  test_model_desc_struct_size(&desc, config, topology);
 
   /* 4 experts over ep 8: the seed's divisibility error. */
   fsdpturbo_config_t *wide = parse("dist_config:\n  name: fsdpturbo\n  ep_size: 8\n");

@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Escaped, Result};
 
 /// The most ranks a single `Mesh::group` or `Mesh::groups` call materialises. Far above any
 /// real cluster; it only keeps absurd (but valid) sizes such as `world_size = u64::MAX` from
@@ -137,8 +137,9 @@ impl Mesh {
     pub fn dim_index(&self, name: &str) -> Result<usize> {
         self.dim_names.iter().position(|n| n == name).ok_or_else(|| {
             mesh_error(format!(
-                "mesh {} has no dim named \"{name}\"; its dims are {}",
+                "mesh {} has no dim named \"{}\"; its dims are {}",
                 self.describe(),
+                Escaped(name),
                 self.names_list()
             ))
         })

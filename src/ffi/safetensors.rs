@@ -16,6 +16,7 @@ use super::handle::{
 use super::panic::boundary;
 use super::placement::{fsdpturbo_placement_t, placement_from_c};
 use super::status::FSDPTURBO_ERR_NOT_FOUND;
+use crate::error::Escaped;
 use crate::safetensors::{self, Header, Layout, ReadPlan, Source};
 
 /// A parsed, validated safetensors header.
@@ -199,12 +200,13 @@ pub extern "C" fn fsdpturbo_safetensors_read_plan_new(
                 let Some((file, header, info)) = found.next() else {
                     return Err(FfiError::new(
                         FSDPTURBO_ERR_NOT_FOUND,
-                        format!("tensor `{name}` is in none of the {n_files} files given"),
+                        format!("tensor `{}` is in none of the {n_files} files given", Escaped(name)),
                     ));
                 };
                 if let Some((other, _, _)) = found.next() {
                     return Err(invalid(format!(
-                        "tensor `{name}` is in files[{file}] and files[{other}]; a checkpoint holds each tensor once"
+                        "tensor `{}` is in files[{file}] and files[{other}]; a checkpoint holds each tensor once",
+                        Escaped(name)
                     )));
                 }
                 Ok(Source { file, data_start: header.data_start, info })

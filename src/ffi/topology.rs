@@ -10,6 +10,7 @@ use super::handle::{
     write_slice,
 };
 use super::panic::boundary;
+use crate::error::Escaped;
 use crate::plan::topology_spec;
 use crate::topology::{Mesh, Topology, TopologySpec};
 
@@ -82,7 +83,8 @@ fn size_of_dim(topology: &Topology, dim: &str) -> Result<u64, FfiError> {
         "expert_cp" => topology.cp_size,
         _ => {
             return Err(invalid(format!(
-                "argument `dim` is \"{dim}\", which is not a topology size; accepted: {SIZE_NAMES}"
+                "argument `dim` is \"{}\", which is not a topology size; accepted: {SIZE_NAMES}",
+                Escaped(dim)
             )));
         }
     })
@@ -113,8 +115,9 @@ fn parse_dims(dims: &str) -> Result<Vec<&str>, FfiError> {
     let names: Vec<&str> = dims.split(',').map(str::trim).collect();
     if names.iter().any(|n| n.is_empty()) {
         return Err(invalid(format!(
-            "argument `dims` is \"{dims}\"; it must be one or more mesh dim names separated by commas, \
-                 e.g. \"ep\" or \"efsdp,ep\", with no empty names"
+            "argument `dims` is \"{}\"; it must be one or more mesh dim names separated by commas, \
+                 e.g. \"ep\" or \"efsdp,ep\", with no empty names",
+            Escaped(dims)
         )));
     }
     Ok(names)

@@ -97,19 +97,21 @@ def accumulated_step(ids):
     return step_fn
 
 
-def train_against_peft(model, reference, clip, where):
-    """`STEPS` AdamW steps of the sharded PEFT `model`, MICRO_BATCHES micro-batches each (each
-    rank forwards its own row), against the one-process `reference` (a `fsdpturbo.parity.Reference`
-    of the PEFT model): each step starts it from the run's parameters and steps it with the
-    run's gradients clipped by `clip(model, MAX_NORM)`; the loss, every adapter gradient (also
-    after clipping, divided by the clipping coefficient), the grad norm and every parameter after
-    the step through the parity gate; the base weights get no gradient and no optimizer state."""
+def train_against_peft(model, reference, clip, where, steps=range(STEPS), optimizer=None):
+    """AdamW steps `steps` of the sharded PEFT `model` (with `optimizer`, as a resumed run, or a
+    new one; returned), MICRO_BATCHES micro-batches each (each rank forwards its own row),
+    against the one-process `reference` (a `fsdpturbo.parity.Reference` of the PEFT model): each
+    step starts it from the run's parameters and steps it with the run's gradients clipped by
+    `clip(model, MAX_NORM)`; the loss, every adapter gradient (also after clipping, divided by
+    the clipping coefficient), the grad norm and every parameter after the step through the
+    parity gate; the base weights get no gradient and no optimizer state."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == {name for name in trainable if "lora_" in name} and \
         sum(".mlp.experts." in name for name in trainable) == 8, (where, sorted(trainable))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in steps:
         reference.load(peft_full(model, dict(model.named_parameters())))
         ids = _micro_batches(step, world)
         losses = []
@@ -135,6 +137,7 @@ def train_against_peft(model, reference, clip, where):
         optimizer.zero_grad()
         assert {id(p) for p in optimizer.state} == {id(p) for p in model.parameters() if p.requires_grad}, where
         gate.check_all(peft_full(model, dict(model.named_parameters())), f"{where} after step {step}")
+    return optimizer
 
 
 def _assert_adapters_placed_as_their_weights(experts, where):
@@ -346,7 +349,17 @@ def _fsdp_turbo_rank_fn(rank, world, tmp):
 def _assert_holds(model, expected, how):
     """Every parameter of the sharded PEFT `model`, gathered in PEFT's names and layout, equals
     `expected` bitwise."""
-    got = peft_full(model, dict(model.named_parameters()))
+    _assert_equal(peft_full(model, dict(model.named_parameters())), expected, how)
+
+
+def _adapters(model):
+    """The adapters of the sharded PEFT `model` (its trainable parameters), gathered, by the names
+    and in the layout of the one-process PEFT model."""
+    return peft_full(model, {n: p for n, p in model.named_parameters() if p.requires_grad})
+
+
+def _assert_equal(got, expected, how):
+    """The dicts of tensors `got` and `expected` hold the same names and are equal bitwise."""
     assert got.keys() == expected.keys(), (how, sorted(set(got) ^ set(expected)))
     differing = [name for name in expected if not torch.equal(got[name], expected[name])]
     assert not differing, (how, differing[:3])
@@ -386,42 +399,85 @@ def logits_gate(one_process, ids, adapters=True):
     return Reference(one_process).step(step_fn, rows=ids.size(0))
 
 
-def _full_optimizer_state(model, optimizer):
-    """{parameter name: {state key: full tensor}} of `optimizer` over `model`."""
-    return {name: {k: full(v) for k, v in optimizer.state[p].items()}
-            for name, p in model.named_parameters() if p in optimizer.state}
+def _peft_optimizer_state(model, optimizer):
+    """{"<state key> <PEFT name>": full tensor} of `optimizer` over the sharded PEFT `model`, the
+    moments in the one-process PEFT model's layout (so comparable across layouts)."""
+    names = expert_lora.peft_names(model)
+    out = {}
+    for name, param in model.named_parameters():
+        if param not in optimizer.state:
+            continue
+        peft = names.get(name, expert_lora.PeftName(name))
+        for key, value in optimizer.state[param].items():
+            value = full(value).clone()  # AdamW steps its plain `step` tensor in place
+            out[f"{key} {peft.name}"] = peft.to_peft(value) if value.dim() else value
+    return out
+
+
+# Where adapters and training checkpoints saved at (ep 2, efsdp 2) are loaded, on 4 ranks: ep 1
+# (FSDP2 alone, PEFT's own wrappers), ep 2 × edp 2, ep 4 and (ep 2, efsdp 2) itself.
+SAVED_AT = dict(ep=2, efsdp=2, dispatcher="eager")
+LOAD_LAYOUTS = [dict(ep=1, dispatcher="eager"), dict(ep=2, efsdp=1, dispatcher="fused"),
+                dict(ep=4, dispatcher="eager"), SAVED_AT]
+
+
+def _wrong_adapters(tmp, adapter_dir, rank):
+    """Directories beside `adapter_dir` that do not fit its model, with the error each raises in
+    `load_lora_adapter`: an expert factor of the wrong shape or missing (naming the tensor), and
+    the config's rank r = 4 (naming the setting)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = f.read()
+    key = next(k for k in saved if ".mlp.experts.base_layer.lora_A" in k)
+    wrong = {"shape": (config, {**saved, key: saved[key][:-1]}, ValueError, re.escape(repr(key))),
+             "missing": (config, {k: v for k, v in saved.items() if k != key}, KeyError, re.escape(key)),
+             "rank": (config.replace('"r": 2', '"r": 4'), saved, ValueError, "has r = 4")}
+    refusals = []
+    for name, (text, tensors, error, match) in wrong.items():
+        path = os.path.join(tmp, f"wrong_{name}")
+        if rank == 0:
+            os.makedirs(path)
+            with open(os.path.join(path, "adapter_config.json"), "w") as f:
+                f.write(text)
+            save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        refusals.append((path, error, match))
+    dist.barrier()
+    return refusals
 
 
 def _adapters_rank_fn(rank, world, tmp):
-    """Trained one step at (ep 2, efsdp 2), the adapter saved (PEFT's format), the training
-    checkpoint saved (DCP) and the merged weights saved; PEFT's own save_pretrained refused without a
-    full state dict and equal to save_lora_adapter with one; then PEFT loads the adapter onto the
-    unsharded model and reproduces the sharded logits, the merged checkpoint does too, and at
-    ep 4 a model with other adapters takes the saved adapter (load_lora_adapter) and another
-    the checkpoint (adapters and AdamW moments) bitwise; adapters that do not fit are refused,
-    naming the tensor or the setting."""
+    """Trained one step at (ep 2, efsdp 2), the adapter saved (PEFT's format) and the merged
+    weights saved; PEFT's own save_pretrained refused without a full state dict and equal to
+    save_lora_adapter with one; then PEFT loads the adapter onto the unsharded model and
+    reproduces the sharded logits, and the merged checkpoint does too. At every layout of
+    LOAD_LAYOUTS a model with other adapters takes that adapter and one PEFT's save_pretrained
+    wrote of a one-process model (load_lora_adapter): its adapters equal the file's bitwise
+    (a copy) and its logits the one-process PEFT model's with that adapter (the parity gate);
+    adapters that do not fit are refused, naming the tensor or the setting, and leave the
+    model's adapters as they were."""
     import os
 
     from peft import PeftModel
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
     import fsdpturbo
-    from fsdpturbo.engine import shard_model
 
-    adapter_dir, ckpt_dir, merged_dir = (os.path.join(tmp, d) for d in ("adapter", "ckpt", "merged"))
+    adapter_dir, merged_dir, peft_dir = (os.path.join(tmp, d) for d in ("adapter", "merged", "by_peft"))
     ids = _micro_batches(0, world)[0]
-    model = shard_model(build_peft_model(), train_config(2, 2), state=layout_state(world, 2, 2, 1))
+    model, _ = _shard(build_peft_model(), SAVED_AT, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     logits = _gathered_logits(model, ids)
-    adapter = peft_full(model, {n: p for n, p in model.named_parameters() if p.requires_grad})
-    moments = _full_optimizer_state(model, optimizer)
+    adapter = _adapters(model)
     fsdpturbo.save_lora_adapter(model, adapter_dir)
-    fsdpturbo.save_checkpoint(model, optimizer, ckpt_dir)
     fsdpturbo.save_merged_weights(model, merged_dir)
 
     saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
@@ -445,47 +501,29 @@ def _adapters_rank_fn(rank, world, tmp):
     assert not any("lora" in name for name, _ in merged.named_parameters())
     gate.check("logits", _local_logits(merged, ids), "the merged checkpoint")
 
-    state = layout_state(world, 4, None, 1)
-    other = shard_model(build_peft_model(adapter_seed=1), train_config(4), state=state)
-    fsdpturbo.load_lora_adapter(other, adapter_dir)
-    loaded = peft_full(other, {n: p for n, p in other.named_parameters() if p.requires_grad})
-    assert all(torch.equal(loaded[n], adapter[n]) for n in adapter)
-    gate.check("logits", _gathered_logits(other, ids), "ep 4 with the loaded adapter")
-
-    resumed = shard_model(build_peft_model(adapter_seed=1), train_config(4), state=state)
-    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR)
-    fsdpturbo.load_checkpoint(resumed, resumed_optimizer, ckpt_dir)
-    assert all(torch.equal(t, adapter[n]) for n, t in
-               peft_full(resumed, {n: p for n, p in resumed.named_parameters() if p.requires_grad}).items())
-    resumed_moments = _full_optimizer_state(resumed, resumed_optimizer)
-    assert resumed_moments.keys() == moments.keys() and all(
-        torch.equal(resumed_moments[n][k], v) for n in moments for k, v in moments[n].items())
-
-    bad_dir = os.path.join(tmp, "bad")
-    key = next(k for k in saved if ".mlp.experts.base_layer.lora_A" in k)
+    one_process = build_peft_model(adapter_seed=2)  # never sharded: PEFT's own save_pretrained
     if rank == 0:
-        os.makedirs(bad_dir)
-        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-            config = f.read()
-        with open(os.path.join(bad_dir, "adapter_config.json"), "w") as f:
-            f.write(config)
-        save_file({**saved, key: saved[key][:-1]}, os.path.join(bad_dir, "adapter_model.safetensors"))
+        one_process.save_pretrained(peft_dir)
     dist.barrier()
-    with pytest.raises(ValueError, match=key):
-        fsdpturbo.load_lora_adapter(other, bad_dir)
-    dist.barrier()
-    if rank == 0:
-        save_file({k: v for k, v in saved.items() if k != key}, os.path.join(bad_dir, "adapter_model.safetensors"))
-    dist.barrier()
-    with pytest.raises(KeyError, match=key):
-        fsdpturbo.load_lora_adapter(other, bad_dir)
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(bad_dir, "adapter_config.json"), "w") as f:
-            f.write(config.replace('"r": 2', '"r": 4'))
-    dist.barrier()
-    with pytest.raises(ValueError, match="has r = 4"):
-        fsdpturbo.load_lora_adapter(other, bad_dir)
+    sources = {"save_lora_adapter at (ep 2, efsdp 2)": (adapter_dir, adapter, gate),
+               "PEFT's save_pretrained of one process": (
+                   peft_dir, {n: p.detach().clone() for n, p in one_process.named_parameters() if p.requires_grad},
+                   logits_gate(one_process, ids))}
+    refusals = _wrong_adapters(tmp, adapter_dir, rank)
+    for layout in LOAD_LAYOUTS:
+        other, _ = _shard(build_peft_model(adapter_seed=1), layout, world)
+        assert (expert_lora.expert_lora(other.get_base_model().model.layers[0].mlp.experts) is not None) == \
+            (layout["ep"] > 1), layout
+        for what, (path, expected, source_gate) in sources.items():
+            where = f"{layout}: {what}"
+            fsdpturbo.load_lora_adapter(other, path)
+            _assert_equal(_adapters(other), expected, where)
+            source_gate.check("logits", _gathered_logits(other, ids), where)
+        held = _adapters(other)
+        for path, error, match in refusals:
+            with pytest.raises(error, match=match):
+                fsdpturbo.load_lora_adapter(other, path)
+            _assert_equal(_adapters(other), held, f"{layout}: after refusing {path}")
 
 
 def _local_logits(model, ids):
@@ -494,7 +532,62 @@ def _local_logits(model, ids):
 
 
 def test_adapter_out_and_in_at_any_layout(tmp_path):
+    """`_adapters_rank_fn`: saved at (ep 2, efsdp 2), and by PEFT from one process; loaded at
+    ep 1, ep 2 × edp 2, ep 4 and (ep 2, efsdp 2)."""
     run_ranks(_adapters_rank_fn, 4, str(tmp_path), timeout=600)
+
+
+def _resume_rank_fn(rank, world, tmp):
+    """Training resumed at another layout: one AdamW step at (ep 2, efsdp 2) against the
+    one-process PEFT model (`train_against_peft`), the DCP checkpoint saved (adapters, frozen
+    weights, AdamW moments and step), then the uninterrupted run's next steps. At each layout
+    of LOAD_LAYOUTS with ep > 1 a model with other adapters and a new optimizer loads the
+    checkpoint: its adapters and moments equal the saved ones bitwise (a copy, in PEFT's
+    layout), and its next steps pass the same parity gate as the uninterrupted run's, against
+    the one-process PEFT model resumed from where the saving run left it; at (ep 2, efsdp 2)
+    the resumed run equals the uninterrupted one bitwise. At ep 1 (PEFT's own wrappers, its
+    names and folded layout, under FSDP2) the checkpoint is refused, naming the tensors it
+    lacks, and the model is left as it was: across ep 1 adapters move as a PEFT adapter
+    directory (`_adapters_rank_fn`)."""
+    import copy
+    import os
+
+    import fsdpturbo
+    from fsdpturbo.checkpoint import CheckpointError
+    from fsdpturbo.parity import Reference
+
+    ckpt_dir = os.path.join(tmp, "ckpt")
+    reference = Reference(build_peft_model(), optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+    model, clip = _shard(build_peft_model(), SAVED_AT, world)
+    optimizer = train_against_peft(model, reference, clip, f"saving run {SAVED_AT}", steps=range(1))
+    fsdpturbo.save_checkpoint(model, optimizer, ckpt_dir)
+    at_save = _adapters(model), _peft_optimizer_state(model, optimizer)
+    reference_at_save = copy.deepcopy(reference)  # the one-process model and both AdamWs, after step 0
+    train_against_peft(model, reference, clip, "uninterrupted run", steps=range(1, STEPS), optimizer=optimizer)
+    uninterrupted = _adapters(model), _peft_optimizer_state(model, optimizer)
+    for layout in LOAD_LAYOUTS:
+        where = f"resumed at {layout}"
+        resumed, clip = _shard(build_peft_model(adapter_seed=1), layout, world)
+        resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR)
+        if layout["ep"] == 1:
+            before = _adapters(resumed)
+            with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \[.*experts\.base_layer\."):
+                fsdpturbo.load_checkpoint(resumed, resumed_optimizer, ckpt_dir)
+            _assert_equal(_adapters(resumed), before, f"{where}: after the refusal")
+            continue
+        fsdpturbo.load_checkpoint(resumed, resumed_optimizer, ckpt_dir)
+        _assert_equal(_adapters(resumed), at_save[0], f"{where}: adapters")
+        _assert_equal(_peft_optimizer_state(resumed, resumed_optimizer), at_save[1], f"{where}: AdamW state")
+        train_against_peft(resumed, copy.deepcopy(reference_at_save), clip, where, steps=range(1, STEPS),
+                           optimizer=resumed_optimizer)
+        if layout is SAVED_AT:
+            _assert_equal(_adapters(resumed), uninterrupted[0], f"{where}: adapters against the uninterrupted run")
+            _assert_equal(_peft_optimizer_state(resumed, resumed_optimizer), uninterrupted[1],
+                          f"{where}: AdamW state against the uninterrupted run")
+
+
+def test_training_resumed_at_another_layout(tmp_path):
+    run_ranks(_resume_rank_fn, 4, str(tmp_path), timeout=600)
 
 
 def loss_step(ids):

@@ -233,8 +233,10 @@ def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; expected a directory written by"):
         load_checkpoint(model, None, tmp_path / "nothing")
     save_checkpoint(model, None, tmp_path / "weights-only")
+    optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="saved without an optimizer; pass optimizer=None"):
-        load_checkpoint(model, torch.optim.AdamW(model.parameters()), tmp_path / "weights-only")
+        load_checkpoint(model, optimizer, tmp_path / "weights-only")
+    assert not optimizer.state, "a refused load left the fresh optimizer with moments and a step"
     os.rename(tmp_path / "weights-only", tmp_path / "weights-only.old")  # as if a save died between its renames
     load_checkpoint(model, None, tmp_path / "weights-only")
 

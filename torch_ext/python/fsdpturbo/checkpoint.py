@@ -408,6 +408,16 @@ def _load(model, optimizer, path, restore_rng):
     DCP fills the states under one progress bar and they are set. Returns {"where": the
     directory read, "manifest", "extra": the saved extra, "rng": this rank's RNG states or
     None, "loaded": the names of the model state}."""
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        return _load_into(model, optimizer, path, restore_rng)
+    except BaseException:
+        if fresh:  # DCP's state dict initialised the moments (a step at lr 0): a refused load keeps none
+            optimizer.state.clear()
+        raise
+
+
+def _load_into(model, optimizer, path, restore_rng):
     action = "loading the checkpoint"  # each rank's cause names its own path
     model_state = get_model_state_dict(model, options=_OPTIONS)
     optim_state = get_optimizer_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else None

@@ -484,8 +484,11 @@ int32_t fsdpturbo_cuda_compile_kernels(uint32_t arch,
 // NULL is accepted when `len` is 0). On success `*out` receives a new handle; on failure
 // `*out` is set to NULL and the status is FSDPTURBO_ERR_CONFIG (also for bytes that are not
 // UTF-8), and fsdpturbo_last_error() holds every problem found, one per line, each with its
-// YAML path and line, e.g. "dist_config.ep_size (line 7): ep_size must be positive, got 0.".
-int32_t fsdpturbo_config_parse(const char *yaml, size_t len, fsdpturbo_config_t **out);
+// YAML path and line, e.g. "dist_config.ep_size (line 7): ep_size must be positive, got 0. Accepted:
+// a positive integer.".
+int32_t fsdpturbo_config_parse(const char *yaml,
+                               size_t len,
+                               fsdpturbo_config_t **out);
 
 // Releases a configuration made by fsdpturbo_config_parse; NULL is a no-op.
 void fsdpturbo_config_free(fsdpturbo_config_t *config);

@@ -285,8 +285,10 @@ fn topology_error(message: String) -> Error {
     Error::new(ErrorKind::Topology, message)
 }
 
-/// " Accepted {name} values: 1, 2, 4, 8, 16." for small `n`; nothing for large ones.
-fn divisors_hint(name: &str, of: &str, n: u64) -> String {
+/// " Accepted {name} values (divisors of {of} 16): 1, 2, 4, 8, 16." for small `n`; for large
+/// ones " Accepted {name} values are the divisors of {of} ({n})." (the configuration schema's
+/// divisibility errors end the same way).
+pub(crate) fn divisors_hint(name: &str, of: &str, n: u64) -> String {
     if n == 0 || n > 4096 {
         return format!(" Accepted {name} values are the divisors of {of} ({n}).");
     }

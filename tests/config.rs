@@ -151,7 +151,11 @@ fn capacity_and_balancing_errors_name_the_field_and_what_is_accepted() {
     let cases = [
         ("capacity_factor: 0", "dist_config.capacity_factor", "expected a finite number > 0, got 0.0"),
         ("capacity_factor: .inf", "dist_config.capacity_factor", "expected a finite number > 0, got inf"),
-        ("capacity_factor: high", "dist_config.capacity_factor", "expected a number, got"),
+        (
+            "capacity_factor: high",
+            "dist_config.capacity_factor",
+            "expected a finite number > 0, got string 'high'",
+        ),
         ("expert_capacity: 0", "dist_config.expert_capacity", "expert_capacity must be positive, got 0."),
         ("capacity_factor: 1.0\n  expert_capacity: 8", "dist_config.expert_capacity", "not both"),
         ("capacity_overflow: fail", "dist_config.capacity_overflow", "needs a capacity"),
@@ -404,20 +408,20 @@ fn coercion_float_rule_and_what_stays_a_string() {
         &error("dist_config: {name: fsdpturbo, ep_size: '2.0'}"),
         "dist_config.ep_size",
         1,
-        "expected an integer, got float 2.0",
+        "expected a positive integer, got float 2.0",
     );
     assert_error(
         &error("dist_config: {name: fsdpturbo, ep_size: '.5'}"),
         "dist_config.ep_size",
         1,
-        "expected an integer, got float 0.5",
+        "expected a positive integer, got float 0.5",
     );
     // "-1", "1.2.3", "1e3" are not isdigit(): they stay strings.
     assert_error(
         &error("dist_config: {name: fsdpturbo, ep_size: '-1'}"),
         "dist_config.ep_size",
         1,
-        "expected an integer, got string '-1'",
+        "expected a positive integer, got string '-1'",
     );
     assert_error(
         &error("dist_config: {name: fsdpturbo, ep_size: '1.2.3'}"),
@@ -512,7 +516,7 @@ fn json_in_a_string_that_is_not_json() {
 
 #[test]
 fn top_level_fields_are_not_coerced() {
-    assert_error(&error("cp_size: '2'\n"), "cp_size", 1, "expected an integer, got string '2'");
+    assert_error(&error("cp_size: '2'\n"), "cp_size", 1, "expected a positive integer, got string '2'");
     assert_error(
         &error("bf16: 'true'\n"),
         "bf16",
@@ -638,11 +642,15 @@ fn value_errors_with_the_seeds_texts() {
 #[test]
 fn type_errors_name_the_type() {
     let cases = [
-        ("ep_size: 2.5", "dist_config.ep_size", "expected an integer, got float 2.5"),
-        ("ep_size: true", "dist_config.ep_size", "expected an integer, got boolean true"),
-        ("ep_size: [2]", "dist_config.ep_size", "expected an integer, got a list"),
-        ("ep_size: null", "dist_config.ep_size", "expected an integer, got null"),
-        ("efsdp_size: 1e3", "dist_config.efsdp_size", "expected an integer, got float 1000.0"),
+        ("ep_size: 2.5", "dist_config.ep_size", "expected a positive integer, got float 2.5"),
+        ("ep_size: true", "dist_config.ep_size", "expected a positive integer, got boolean true"),
+        ("ep_size: [2]", "dist_config.ep_size", "expected a positive integer, got a list"),
+        ("ep_size: null", "dist_config.ep_size", "expected a positive integer, got null"),
+        (
+            "efsdp_size: 1e3",
+            "dist_config.efsdp_size",
+            "expected a positive integer or null (unset), got float 1000.0",
+        ),
         (
             "reshard_after_forward: 1",
             "dist_config.reshard_after_forward",
@@ -714,9 +722,9 @@ fn top_level_sizes_and_types() {
         ("mp_replicate_size: 0", "mp_replicate_size", "mp_replicate_size must be positive, got 0."),
         ("mp_shard_size: 0", "mp_shard_size", "mp_shard_size must be positive, got 0."),
         ("dist_timeout: 0", "dist_timeout", "dist_timeout must be positive, got 0."),
-        ("dist_timeout: 1.5", "dist_timeout", "expected an integer, got float 1.5"),
-        ("cp_size: true", "cp_size", "expected an integer, got boolean true"),
-        ("dp_size: [8]", "dp_size", "expected an integer, got a list"),
+        ("dist_timeout: 1.5", "dist_timeout", "expected a positive integer, got float 1.5"),
+        ("cp_size: true", "cp_size", "expected a positive integer, got boolean true"),
+        ("dp_size: [8]", "dp_size", "expected a positive integer or null (unset), got a list"),
         ("cp_mode: 3", "cp_mode", "expected a string, got integer 3"),
         ("cp_mode: null", "cp_mode", "expected a string, got null"),
         ("bf16: 1", "bf16", "expected a boolean (true or false), got integer 1"),
@@ -754,7 +762,13 @@ fn topology_products_that_need_no_world_size() {
     );
     assert_error(&e, "dist_config.ep_size", 4, "got 8 % 3 != 0.");
     let e = error("dp_size: 18446744073709551615\ncp_size: 2\n");
-    assert_error(&e, "dp_size", 1, "the world size it implies overflows a 64-bit integer");
+    assert_error(
+        &e,
+        "dp_size",
+        1,
+        "dp_size * cp_size (the world size it implies) overflows a 64-bit integer. Accepted: sizes whose \
+         product is below 2^64.",
+    );
     let e =
         error("dp_size: 8\ndist_config: {name: fsdpturbo, ep_size: 4, efsdp_size: 9223372036854775808}\n");
     assert_error(&e, "dist_config.efsdp_size", 2, "dp_size must be divisible by ep_size * efsdp_size");
@@ -764,6 +778,157 @@ fn topology_products_that_need_no_world_size() {
     assert_eq!(t.dist.efsdp_size, Some(2));
     // Without dp_size or mp_shard_size nothing is known about the world: any ep is fine.
     assert_eq!(ok("dist_config: {name: fsdpturbo, ep_size: 7}\n").dist.ep_size, 7);
+}
+
+/// Each schema error names the field (its path and line) and ends with what is accepted; the
+/// seed's text, where the seed has one, stays its start.
+#[test]
+fn every_schema_error_says_what_is_accepted() {
+    const KERNELS: &str = "a comma-separated string of kernel names from ['auto', 'flash-linear-attention']";
+    const FLA: &str =
+        "'auto' or a comma-separated list of ['chunk_gated_delta_rule', 'fused_recurrent_gated_delta_rule']";
+    let cases: [(&str, &str, usize, String); 19] = [
+        (
+            "dist_config: {name: fsdpturbo, ep_size: 0}",
+            "dist_config.ep_size",
+            1,
+            "ep_size must be positive, got 0. Accepted: a positive integer.".into(),
+        ),
+        ("cp_size: x", "cp_size", 1, "expected a positive integer, got string 'x'".into()),
+        (
+            "dist_config: {name: fsdpturbo, efsdp_size: 0}",
+            "dist_config.efsdp_size",
+            1,
+            "efsdp_size must be positive, got 0. Accepted: a positive integer or null (unset).".into(),
+        ),
+        (
+            "dist_config: {name: fsdpturbo, expert_capacity: -3}",
+            "dist_config.expert_capacity",
+            1,
+            "expert_capacity must be positive, got -3. Accepted: a positive integer or null (unset).".into(),
+        ),
+        (
+            "dist_config: '{\"name\": \"fsdpturbo\", \"ep_size\": 99999999999999999999999}'",
+            "dist_config.ep_size",
+            1,
+            "integer 1e+23 is out of range: integers must lie in [-2^63, 2^64). Accepted: a positive integer."
+                .into(),
+        ),
+        (
+            "dist_config: {name: fsdpturbo, router_z_loss_coef: []}",
+            "dist_config.router_z_loss_coef",
+            1,
+            "expected a finite number ≥ 0, got a list".into(),
+        ),
+        (
+            "dist_config: {ep_size: 2}",
+            "dist_config",
+            1,
+            "Plugin configuration must have a 'name' field. Accepted: name: fsdpturbo.".into(),
+        ),
+        (
+            "dist_config: {name: fsdp2}",
+            "dist_config.name",
+            1,
+            "this library implements the 'fsdpturbo' plugin, got 'fsdp2'. Accepted: 'fsdpturbo'.".into(),
+        ),
+        (
+            "dist_config: '{name: x}'",
+            "dist_config",
+            1,
+            "the string starts with '{' but is not valid JSON: key must be a string at line 1 column 2. \
+             Accepted: a mapping, or a string holding a JSON object."
+                .into(),
+        ),
+        (
+            "kernel_config: {chunk_size: 16}",
+            "kernel_config",
+            1,
+            format!("Plugin configuration must have a 'name' field. Accepted: name: {KERNELS}."),
+        ),
+        (
+            "kernel_config: {name: ' ,'}",
+            "kernel_config.name",
+            1,
+            format!("kernel_config.name must contain at least one kernel name. Accepted: {KERNELS}."),
+        ),
+        (
+            "kernel_config: {name: [auto]}",
+            "kernel_config.name",
+            1,
+            format!("kernel_config.name must be a string. Got a list. Accepted: {KERNELS}."),
+        ),
+        (
+            "kernel_config: {name: auto, include_kernels: ','}",
+            "kernel_config.include_kernels",
+            1,
+            format!("kernel_config.include_kernels must select at least one FLA kernel. Supported: {FLA}"),
+        ),
+        (
+            "kernel_config: {name: auto, include_kernels: 3}",
+            "kernel_config.include_kernels",
+            1,
+            format!(
+                "kernel_config.include_kernels must be 'auto' or a comma-separated string. Got integer 3. \
+                 Supported: {FLA}"
+            ),
+        ),
+        (
+            "dp_size: 6\ndist_config: {name: fsdpturbo, ep_size: 4}",
+            "dist_config.ep_size",
+            2,
+            "dp_size must be divisible by ep_size, got 6 % 4 != 0. Accepted ep_size values (divisors of dp_size \
+             6): 1, 2, 3, 6."
+                .into(),
+        ),
+        (
+            "dp_size: 8\ndist_config: {name: fsdpturbo, ep_size: 2, efsdp_size: 3}",
+            "dist_config.efsdp_size",
+            2,
+            "dp_size must be divisible by ep_size * efsdp_size, got 8 % (2 * 3) != 0. Accepted efsdp_size \
+             values (divisors of dp_size / ep_size 4): 1, 2, 4."
+                .into(),
+        ),
+        (
+            "mp_shard_size: 9\ncp_size: 2",
+            "cp_size",
+            2,
+            "world_size (9) must be divisible by cp_size (2). (The world size is mp_replicate_size * \
+             mp_shard_size.) Accepted cp_size values (divisors of world_size 9): 1, 3, 9."
+                .into(),
+        ),
+        (
+            "dp_size: 8\ncp_size: 2\nmp_shard_size: 8",
+            "mp_shard_size",
+            3,
+            "mp_replicate_size * mp_shard_size must equal dp_size * cp_size (both are the world size), got \
+             1 * 8 != 8 * 2. Accepted mp_shard_size: 16 (or leave it unset)."
+                .into(),
+        ),
+        (
+            "dp_size: 4\nmp_replicate_size: 3\nmp_shard_size: 4",
+            "mp_shard_size",
+            3,
+            "mp_replicate_size * mp_shard_size must equal dp_size * cp_size (both are the world size), got \
+             3 * 4 != 4 * 1. Accepted: an mp_replicate_size that divides dp_size * cp_size (4), with \
+             mp_shard_size = dp_size * cp_size / mp_replicate_size."
+                .into(),
+        ),
+    ];
+    for (yaml, path, line, message) in cases {
+        let e = error(&format!("{yaml}\n"));
+        assert_eq!(
+            (e.path.as_str(), e.line, e.message.as_str()),
+            (path, Some(line), message.as_str()),
+            "{yaml}"
+        );
+    }
+    let e = error("mp_replicate_size: 4294967296\nmp_shard_size: 4294967296\n");
+    assert_eq!(
+        e.to_string(),
+        "mp_shard_size (line 2): mp_replicate_size * mp_shard_size (the world size it implies) overflows a \
+         64-bit integer. Accepted: sizes whose product is below 2^64."
+    );
 }
 
 #[test]
@@ -782,7 +947,10 @@ fn errors_carry_the_line_in_block_and_flow_style() {
     assert_eq!(errors.len(), 2, "{errors:?}");
     assert_error(&errors[0], "dist_config.ep_size", 7, "ep_size must be positive, got 0.");
     assert_error(&errors[1], "kernel_config.chunk_size", 9, "got 7.");
-    assert_eq!(errors[0].to_string(), "dist_config.ep_size (line 7): ep_size must be positive, got 0.");
+    assert_eq!(
+        errors[0].to_string(),
+        "dist_config.ep_size (line 7): ep_size must be positive, got 0. Accepted: a positive integer."
+    );
 }
 
 #[test]
@@ -808,7 +976,10 @@ fn every_error_is_collected_in_document_order() {
     // Display: one error per line; into the crate error as a Config error.
     let text = ConfigErrors(errors.clone()).to_string();
     assert_eq!(text.lines().count(), errors.len());
-    assert_eq!(text.lines().next(), Some("cp_size (line 1): cp_size must be positive, got 0."));
+    assert_eq!(
+        text.lines().next(),
+        Some("cp_size (line 1): cp_size must be positive, got 0. Accepted: a positive integer.")
+    );
     let err = Error::from(ConfigErrors(errors));
     assert_eq!((err.kind, err.message), (ErrorKind::Config, text));
 }
@@ -1113,7 +1284,10 @@ mod c_abi {
         let text = last_error();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 2, "{text}");
-        assert_eq!(lines[0], "dist_config.ep_size (line 4): ep_size must be positive, got 0.");
+        assert_eq!(
+            lines[0],
+            "dist_config.ep_size (line 4): ep_size must be positive, got 0. Accepted: a positive integer."
+        );
         assert!(lines[1].starts_with(
             "dist_config.cp_size (line 5): Unknown params for DistributedPlugin.FSDPTurboParams: ['cp_size']"
         ));

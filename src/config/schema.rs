@@ -5,6 +5,7 @@ use serde_yaml::{Mapping, Value};
 
 use super::text::*;
 use super::*;
+use crate::topology::divisors_hint;
 
 // ---------------------------------------------------------------------------------------------
 // The training YAML
@@ -46,7 +47,7 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
     let mut cfg = TrainConfig::default();
     let field = |name: &str| map.get(name).map(|v| (top.key(name), v));
     if let Some((path, v)) = field("dp_size") {
-        cfg.dp_size = optional(v, |v| size(cx, &path, "dp_size", v));
+        cfg.dp_size = optional_size(cx, &path, "dp_size", v);
     }
     if let Some((path, v)) = field("cp_size") {
         cfg.cp_size = size(cx, &path, "cp_size", v).unwrap_or(cfg.cp_size);
@@ -58,7 +59,7 @@ pub(super) fn train_config(cx: &mut Cx, root: &Value) -> Option<TrainConfig> {
         cfg.mp_replicate_size = size(cx, &path, "mp_replicate_size", v).unwrap_or(cfg.mp_replicate_size);
     }
     if let Some((path, v)) = field("mp_shard_size") {
-        cfg.mp_shard_size = optional(v, |v| size(cx, &path, "mp_shard_size", v));
+        cfg.mp_shard_size = optional_size(cx, &path, "mp_shard_size", v);
     }
     if let Some((path, v)) = field("dist_timeout") {
         cfg.dist_timeout = size(cx, &path, "dist_timeout", v).unwrap_or(cfg.dist_timeout);
@@ -96,9 +97,18 @@ pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
     // The world size, when the explicit sizes imply it: mp_replicate * mp_shard = dp * cp.
     let model_world = cfg.mp_shard_size.map(|s| (s, r.checked_mul(s)));
     let data_world = cfg.dp_size.map(|d| (d, d.checked_mul(cp)));
-    for (name, world) in [("mp_shard_size", model_world.map(|w| w.1)), ("dp_size", data_world.map(|w| w.1))] {
+    for (name, product, world) in [
+        ("mp_shard_size", "mp_replicate_size * mp_shard_size", model_world.map(|w| w.1)),
+        ("dp_size", "dp_size * cp_size", data_world.map(|w| w.1)),
+    ] {
         if let Some(None) = world {
-            cx.err(&top.key(name), "the world size it implies overflows a 64-bit integer");
+            cx.err(
+                &top.key(name),
+                format!(
+                    "{product} (the world size it implies) overflows a 64-bit integer. Accepted: sizes \
+                     whose product is below 2^64."
+                ),
+            );
             return;
         }
     }
@@ -109,7 +119,15 @@ pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
                     &top.key("mp_shard_size"),
                     format!(
                         "mp_replicate_size * mp_shard_size must equal dp_size * cp_size (both are the \
-                         world size), got {r} * {s} != {d} * {cp}."
+                         world size), got {r} * {s} != {d} * {cp}. {}",
+                        if w_data % r == 0 {
+                            format!("Accepted mp_shard_size: {} (or leave it unset).", w_data / r)
+                        } else {
+                            format!(
+                                "Accepted: an mp_replicate_size that divides dp_size * cp_size ({w_data}), \
+                                 with mp_shard_size = dp_size * cp_size / mp_replicate_size."
+                            )
+                        }
                     ),
                 );
             }
@@ -120,7 +138,8 @@ pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
                 &top.key("cp_size"),
                 format!(
                     "world_size ({w}) must be divisible by cp_size ({cp}). (The world size is \
-                     mp_replicate_size * mp_shard_size.)"
+                     mp_replicate_size * mp_shard_size.){}",
+                    divisors_hint("cp_size", "world_size", w)
                 ),
             );
             None
@@ -135,7 +154,10 @@ pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
     if dp % ep != 0 {
         cx.err(
             &dist_path.key("ep_size"),
-            format!("dp_size must be divisible by ep_size, got {dp} % {ep} != 0."),
+            format!(
+                "dp_size must be divisible by ep_size, got {dp} % {ep} != 0.{}",
+                divisors_hint("ep_size", "dp_size", dp)
+            ),
         );
     } else if let Some(efsdp) = dist.efsdp_size {
         match ep.checked_mul(efsdp) {
@@ -143,7 +165,8 @@ pub(super) fn check_topology(cx: &mut Cx, cfg: &TrainConfig) {
             _ => cx.err(
                 &dist_path.key("efsdp_size"),
                 format!(
-                    "dp_size must be divisible by ep_size * efsdp_size, got {dp} % ({ep} * {efsdp}) != 0."
+                    "dp_size must be divisible by ep_size * efsdp_size, got {dp} % ({ep} * {efsdp}) != 0.{}",
+                    divisors_hint("efsdp_size", "dp_size / ep_size", dp / ep)
                 ),
             ),
         }
@@ -163,7 +186,10 @@ pub(super) fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<Dis
     let mut d = DistConfig::default();
     let field = |name: &str| map.get(name).map(|v| (path.key(name), v));
     match field("name") {
-        None => cx.err(path, "Plugin configuration must have a 'name' field."),
+        None => cx.err(
+            path,
+            format!("Plugin configuration must have a 'name' field. Accepted: name: {DIST_PLUGIN_NAME}."),
+        ),
         Some((p, v)) => {
             if let Some(name) = string(cx, &p, v) {
                 if name == DIST_PLUGIN_NAME {
@@ -172,7 +198,8 @@ pub(super) fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<Dis
                     cx.err(
                         &p,
                         format!(
-                            "this library implements the '{DIST_PLUGIN_NAME}' plugin, got {}",
+                            "this library implements the '{DIST_PLUGIN_NAME}' plugin, got {}. Accepted: \
+                             '{DIST_PLUGIN_NAME}'.",
                             py_str(&name)
                         ),
                     );
@@ -231,7 +258,7 @@ pub(super) fn dist_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<Dis
         }
     }
     if let Some((p, v)) = field("efsdp_size") {
-        d.efsdp_size = optional(v, |v| size(cx, &p, "efsdp_size", v));
+        d.efsdp_size = optional_size(cx, &p, "efsdp_size", v);
     }
     capacity(cx, path, &map, &mut d);
     if let Some((p, v)) = field("aux_loss_scope") {
@@ -257,7 +284,7 @@ fn capacity(cx: &mut Cx, path: &Path, map: &Mapping, d: &mut DistConfig) {
         d.capacity_factor = number(cx, p, v, Bound::Positive);
     }
     if let Some((p, v)) = &tokens {
-        d.expert_capacity = size(cx, p, "expert_capacity", v);
+        d.expert_capacity = size_accepting(cx, p, "expert_capacity", v, SIZE_OR_NULL);
     }
     if let (Some(_), Some((p, _))) = (&factor, &tokens) {
         cx.err(
@@ -318,18 +345,28 @@ pub(super) fn kernel_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<K
     let map = plugin_mapping(cx, path, value, |ty| format!("kernel_config must be a mapping, got {ty}."))?;
     unknown_keys(cx, path, &map, &KERNEL_FIELDS, "kernel_config", |key| did_you_mean(key, &KERNEL_FIELDS));
 
+    let kernel_names = format!("a comma-separated string of kernel names from {}", py_list(KERNEL_NAMES));
+    let fla_kernels = format!("'auto' or a comma-separated list of {}", py_list(FLA_KERNELS));
     let mut k = KernelConfig {
         names: Vec::new(),
         include_kernels: IncludeKernels::Auto,
         chunk_size: DEFAULT_CHUNK_SIZE,
     };
     match map.get("name") {
-        None => cx.err(path, "Plugin configuration must have a 'name' field."),
+        None => cx.err(
+            path,
+            format!("Plugin configuration must have a 'name' field. Accepted: name: {}.", kernel_names),
+        ),
         Some(Value::String(names)) => {
             let p = path.key("name");
             k.names = split_names(names);
             if k.names.is_empty() {
-                cx.err(&p, "kernel_config.name must contain at least one kernel name.");
+                cx.err(
+                    &p,
+                    format!(
+                        "kernel_config.name must contain at least one kernel name. Accepted: {kernel_names}."
+                    ),
+                );
             }
             for name in k.names.iter().filter(|n| !KERNEL_NAMES.contains(&n.as_str())) {
                 cx.err(
@@ -344,7 +381,10 @@ pub(super) fn kernel_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<K
         Some(other) => {
             cx.err(
                 &path.key("name"),
-                format!("kernel_config.name must be a string. Got {}.", describe(other)),
+                format!(
+                    "kernel_config.name must be a string. Got {}. Accepted: {kernel_names}.",
+                    describe(other)
+                ),
             );
         }
     }
@@ -358,15 +398,19 @@ pub(super) fn kernel_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<K
                 let unsupported =
                     sorted(selected.iter().map(String::as_str).filter(|n| !FLA_KERNELS.contains(n)));
                 if selected.is_empty() {
-                    cx.err(&p, "kernel_config.include_kernels must select at least one FLA kernel.");
+                    cx.err(
+                        &p,
+                        format!(
+                            "kernel_config.include_kernels must select at least one FLA kernel. Supported: \
+                             {fla_kernels}"
+                        ),
+                    );
                 } else if !unsupported.is_empty() {
                     cx.err(
                         &p,
                         format!(
-                            "Unsupported Flash Linear Attention kernels: {}. Supported: 'auto' or a \
-                             comma-separated list of {}",
+                            "Unsupported Flash Linear Attention kernels: {}. Supported: {fla_kernels}",
                             py_list(unsupported),
-                            py_list(FLA_KERNELS)
                         ),
                     );
                 } else {
@@ -376,7 +420,8 @@ pub(super) fn kernel_config(cx: &mut Cx, path: &Path, value: &Value) -> Option<K
             other => cx.err(
                 &p,
                 format!(
-                    "kernel_config.include_kernels must be 'auto' or a comma-separated string. Got {}.",
+                    "kernel_config.include_kernels must be 'auto' or a comma-separated string. Got {}. \
+                     Supported: {fla_kernels}",
                     describe(other)
                 ),
             ),
@@ -426,7 +471,13 @@ pub(super) fn plugin_mapping(
                 None
             }
             Err(e) => {
-                cx.err(path, format!("the string starts with '{{' but is not valid JSON: {e}"));
+                cx.err(
+                    path,
+                    format!(
+                        "the string starts with '{{' but is not valid JSON: {e}. Accepted: a mapping, or a \
+                         string holding a JSON object."
+                    ),
+                );
                 None
             }
         },
@@ -610,13 +661,17 @@ pub(super) enum Bound {
 
 /// A finite real number (an integer is accepted) within `bound`.
 pub(super) fn number(cx: &mut Cx, path: &Path, value: &Value, bound: Bound) -> Option<f64> {
+    let accepted = match bound {
+        Bound::Positive => "a finite number > 0",
+        Bound::AtLeastZero => "a finite number ≥ 0",
+    };
     let Some(x) = value.as_f64() else {
-        cx.err(path, format!("expected a number, got {}", describe(value)));
+        cx.err(path, format!("expected {accepted}, got {}", describe(value)));
         return None;
     };
-    let (ok, accepted) = match bound {
-        Bound::Positive => (x > 0.0, "a finite number > 0"),
-        Bound::AtLeastZero => (x >= 0.0, "a finite number ≥ 0"),
+    let ok = match bound {
+        Bound::Positive => x > 0.0,
+        Bound::AtLeastZero => x >= 0.0,
     };
     if ok && x.is_finite() {
         return Some(x);
@@ -625,10 +680,25 @@ pub(super) fn number(cx: &mut Cx, path: &Path, value: &Value, bound: Bound) -> O
     None
 }
 
-/// A size: an integer ≥ 1 (`{field} must be positive, got N.`, the seed's ep_size text).
+/// What a size accepts.
+const SIZE: &str = "a positive integer";
+/// What a size that may be left unset accepts.
+const SIZE_OR_NULL: &str = "a positive integer or null (unset)";
+
+/// A size: an integer ≥ 1 (`{field} must be positive, got N.`, the seed's ep_size text, then
+/// what is accepted).
 pub(super) fn size(cx: &mut Cx, path: &Path, field: &str, value: &Value) -> Option<u64> {
+    size_accepting(cx, path, field, value, SIZE)
+}
+
+/// A size that may be null (unset): None for null.
+pub(super) fn optional_size(cx: &mut Cx, path: &Path, field: &str, value: &Value) -> Option<u64> {
+    optional(value, |v| size_accepting(cx, path, field, v, SIZE_OR_NULL))
+}
+
+fn size_accepting(cx: &mut Cx, path: &Path, field: &str, value: &Value, accepted: &str) -> Option<u64> {
     let Value::Number(n) = value else {
-        cx.err(path, format!("expected an integer, got {}", describe(value)));
+        cx.err(path, format!("expected {accepted}, got {}", describe(value)));
         return None;
     };
     if let Some(u) = n.as_u64() {
@@ -637,12 +707,15 @@ pub(super) fn size(cx: &mut Cx, path: &Path, field: &str, value: &Value) -> Opti
         }
     }
     match (n.as_i64(), n.as_f64()) {
-        (Some(i), _) => cx.err(path, format!("{field} must be positive, got {i}.")),
+        (Some(i), _) => cx.err(path, format!("{field} must be positive, got {i}. Accepted: {accepted}.")),
         (None, Some(f)) if f.is_finite() && f.fract() == 0.0 && f.abs() >= 9.2e18 => cx.err(
             path,
-            format!("integer {} is out of range: integers must lie in [-2^63, 2^64)", py_float(f)),
+            format!(
+                "integer {} is out of range: integers must lie in [-2^63, 2^64). Accepted: {accepted}.",
+                py_float(f)
+            ),
         ),
-        _ => cx.err(path, format!("expected an integer, got {}", describe(value))),
+        _ => cx.err(path, format!("expected {accepted}, got {}", describe(value))),
     }
     None
 }

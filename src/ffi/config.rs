@@ -44,7 +44,8 @@ pub fn dispatcher_code(dispatcher: Dispatcher) -> i32 {
 /// NULL is accepted when `len` is 0). On success `*out` receives a new handle; on failure
 /// `*out` is set to NULL and the status is FSDPTURBO_ERR_CONFIG (also for bytes that are not
 /// UTF-8), and fsdpturbo_last_error() holds every problem found, one per line, each with its
-/// YAML path and line, e.g. "dist_config.ep_size (line 7): ep_size must be positive, got 0.".
+/// YAML path and line, e.g. "dist_config.ep_size (line 7): ep_size must be positive, got 0. Accepted:
+/// a positive integer.".
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdpturbo_config_parse(
     yaml: *const c_char,

@@ -1,8 +1,9 @@
 """The checks of an `FSDPTurboConfig`, all problems at once: each names its field's path and
-what is accepted. What the Rust config core knows (expert sizes, dispatcher, FSDP
-implementation, hook and ignored modules, the offload flags) it checks, through a
-`dist_config` made of those fields; the topology on a world size is the Rust topology's; the
-rest (and what is not built) is checked here."""
+what is accepted. What the Rust config core knows (the Ulysses size as its cp_size, expert
+sizes, dispatcher, FSDP implementation, hook and ignored modules, the offload and reshard
+flags) it checks, through a training configuration made of those fields, and its messages are
+the ones reported; the topology on a world size is the Rust topology's; the rest (fields the
+core has not, and what is not built) is checked here."""
 import json
 import re
 
@@ -23,36 +24,53 @@ class ConfigError(ValueError):
         super().__init__(f"FSDPTurboConfig has {count}:" + "".join(f"\n  {p}" for p in self.problems))
 
 
-# dist_config key of the Rust config core -> (FSDPTurboConfig path, value)
-_RUST_DIST_FIELDS = {
-    "ep_size": ("distributed.expert_parallel_size", lambda d: d.expert_parallel_size),
-    "efsdp_size": ("distributed.expert_fully_shard_parallel_size", lambda d: d.expert_fully_shard_parallel_size),
-    "ep_dispatcher": ("distributed.ep_plan.dispatcher", lambda d: d.ep_plan.dispatcher),
-    "fsdp_ignored_modules": ("distributed.fsdp_plan.ignored_modules", lambda d: d.fsdp_plan.ignored_modules),
-    "hook_modules": ("distributed.fsdp_plan.hook_modules", lambda d: d.fsdp_plan.hook_modules),
-    "fsdp_implementation": ("distributed.fsdp_plan.fsdp_implementation", lambda d: d.fsdp_plan.fsdp_implementation),
-    "offload_params": ("distributed.fsdp_plan.cpu_offload", lambda d: d.fsdp_plan.cpu_offload),
-    "pin_memory": ("distributed.fsdp_plan.pin_memory", lambda d: d.fsdp_plan.pin_memory),
+# Top-level field of the Rust config core -> (FSDPTurboConfig path, value). Top-level fields are
+# typed strictly, and None is sent as null (it is no size).
+_RUST_TOP_FIELDS = {
+    "cp_size": ("distributed.ulysses_parallel_size", lambda d: d.ulysses_parallel_size),
 }
-_RUST_LINE = re.compile(r"^dist_config\.(\w+)(\S*) \(line \d+\): (.*)$")
+# dist_config key of the Rust config core -> (FSDPTurboConfig path, value, what the field holds
+# where that is not a string). None is left out (the field's default). dist_config reads strings
+# as LlamaFactory's command line gives them ('true' a boolean, '8' an integer), a Python field
+# does not: a string there is refused here, not sent.
+_RUST_DIST_FIELDS = {
+    "ep_size": ("distributed.expert_parallel_size", lambda d: d.expert_parallel_size, "a positive integer"),
+    "efsdp_size": ("distributed.expert_fully_shard_parallel_size", lambda d: d.expert_fully_shard_parallel_size,
+                   "a positive integer or None"),
+    "ep_dispatcher": ("distributed.ep_plan.dispatcher", lambda d: d.ep_plan.dispatcher, None),
+    "fsdp_ignored_modules": ("distributed.fsdp_plan.ignored_modules", lambda d: d.fsdp_plan.ignored_modules, None),
+    "hook_modules": ("distributed.fsdp_plan.hook_modules", lambda d: d.fsdp_plan.hook_modules, None),
+    "fsdp_implementation": ("distributed.fsdp_plan.fsdp_implementation", lambda d: d.fsdp_plan.fsdp_implementation,
+                            None),
+    "offload_params": ("distributed.fsdp_plan.cpu_offload", lambda d: d.fsdp_plan.cpu_offload, "a boolean"),
+    "pin_memory": ("distributed.fsdp_plan.pin_memory", lambda d: d.fsdp_plan.pin_memory, "a boolean"),
+    "reshard_after_forward": ("distributed.fsdp_plan.reshard_after_forward",
+                              lambda d: d.fsdp_plan.reshard_after_forward, "a boolean"),
+}
+_RUST_PATHS = {**{key: path for key, (path, _) in _RUST_TOP_FIELDS.items()},
+               **{f"dist_config.{key}": path for key, (path, _, _) in _RUST_DIST_FIELDS.items()}}
+_RUST_LINE = re.compile(r"^((?:dist_config\.)?\w+)(\S*) \(line \d+\): (.*)$")
 
 
 def _rust_problems(distributed):
-    dist_config = {"name": "fsdpturbo"}
-    for key, (_, value_of) in _RUST_DIST_FIELDS.items():
+    config = {key: value_of(distributed) for key, (_, value_of) in _RUST_TOP_FIELDS.items()}
+    dist_config, problems = {"name": "fsdpturbo"}, []
+    for key, (path, value_of, holds) in _RUST_DIST_FIELDS.items():
         value = value_of(distributed)
-        if value is not None and not callable(value):  # a callable dispatcher is the user's own
+        if value is None or callable(value):  # a callable dispatcher is the user's own
+            continue
+        if holds is not None and isinstance(value, str):
+            problems.append(f"{path}: expected {holds}, got {value!r} (a string is not converted)")
+        else:
             dist_config[key] = value
     try:
-        parse_train_config(json.dumps({"dist_config": dist_config}, default=repr))
+        parse_train_config(json.dumps({**config, "dist_config": dist_config}, default=repr))
     except ValueError as error:
-        problems = []
         for line in str(error).splitlines():
             match = _RUST_LINE.match(line)
-            known = match is not None and match[1] in _RUST_DIST_FIELDS
-            problems.append(f"{_RUST_DIST_FIELDS[match[1]][0]}{match[2]}: {match[3]}" if known else line)
-        return problems
-    return []
+            known = match is not None and match[1] in _RUST_PATHS
+            problems.append(f"{_RUST_PATHS[match[1]]}{match[2]}: {match[3]}" if known else line)
+    return problems
 
 
 def _is_size(value):
@@ -64,9 +82,11 @@ def _is_strings(value):
 
 
 def _size_problems(d):
+    # ulysses_parallel_size is the Rust core's cp_size (_rust_problems). fully_shard_parallel_size
+    # is its mp_shard_size, but given alone the core would check it against cp_size as if it were
+    # the world size; data_parallel_size (its mp_replicate_size) may be None, which the core's is not.
     problems = [f"distributed.{name}: expected a positive integer, got {getattr(d, name)!r}"
-                for name in ("fully_shard_parallel_size", "tensor_parallel_size", "ulysses_parallel_size")
-                if not _is_size(getattr(d, name))]
+                for name in ("fully_shard_parallel_size", "tensor_parallel_size") if not _is_size(getattr(d, name))]
     problems += [f"distributed.{name}: expected a positive integer or None (derived from the world size), got "
                  f"{getattr(d, name)!r}" for name in ("data_parallel_size", "expert_data_parallel_size")
                  if getattr(d, name) is not None and not _is_size(getattr(d, name))]
@@ -110,9 +130,8 @@ def _fsdp_plan_problems(plan):
         value = getattr(plan, name)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             problems.append(f"{path}.{name}: expected an integer >= 0, got {value!r}")
-    for name in ("cast_forward_inputs", "reshard_after_forward"):
-        if not isinstance(getattr(plan, name), bool):
-            problems.append(f"{path}.{name}: expected a boolean, got {getattr(plan, name)!r}")
+    if not isinstance(plan.cast_forward_inputs, bool):  # reshard_after_forward: the Rust core's (_rust_problems)
+        problems.append(f"{path}.cast_forward_inputs: expected a boolean, got {plan.cast_forward_inputs!r}")
     if plan.apply_modules is not None:
         if not isinstance(plan.apply_modules, dict):
             problems.append(f"{path}.apply_modules: expected a mapping of module pattern -> fully_shard options, got "

@@ -163,7 +163,8 @@ class AsyncCheckpoint:
 
     def __init__(self, save, futures):
         self._save, self._futures, self._outcome = save, futures, None
-        _PENDING[_pending_key(save.path)] = self
+        self._key = _pending_key(save.path)
+        _PENDING[self._key] = self
 
     def wait(self):
         if self._outcome is None:
@@ -178,8 +179,8 @@ class AsyncCheckpoint:
                 self._outcome = e
                 raise
             finally:
-                if _PENDING.get(_pending_key(self._save.path)) is self:
-                    del _PENDING[_pending_key(self._save.path)]
+                if _PENDING.get(self._key) is self:
+                    del _PENDING[self._key]
         if self._outcome is not True:
             raise self._outcome
 
@@ -190,6 +191,8 @@ _PENDING = {}  # real path -> this process's AsyncCheckpoint to it that is not w
 def _pending_key(path):
     """One key for every spelling of a target (`ckpt`, `./ckpt`, `/abs/ckpt`, through a link)."""
     return os.path.realpath(path)
+
+
 _CHECKPOINT = "a checkpoint (a directory holding fsdpturbo.json or model/.metadata)"
 
 

@@ -230,8 +230,8 @@ def _write_hf(source, checkpoint, out, config, max_shard_bytes, per_expert, chec
         [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     if config:
         _copy_hf_files(config, out)
-    held = (None, None)
-    with _Entries() as tensors, Progress(sum(e[3] for e in entries), f"converting {source.directory} to {out}") as bar:
+    held, total = (None, None), sum(e[3] for e in entries)
+    with _Entries() as tensors, Progress(total, f"converting {source.directory} to {out}") as bar:
         for file_name, file_entries in zip(file_names, files):
             with open(os.path.join(out, file_name), "wb") as f:
                 f.write(_header(file_entries))
@@ -309,7 +309,8 @@ def _write_dcp(hf_dir, out, per_expert, check):
 
     state = {name: meta(name) for name in sorted(sources)}
     directory = os.path.join(out, "model")
-    with _Entries() as tensors, Progress(sum(t.numel() * t.element_size() for t in state.values()), f"converting {hf_dir} to {out}") as bar:
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with _Entries() as tensors, Progress(total, f"converting {hf_dir} to {out}") as bar:
         # A file per tensor: DCP's writer holds every tensor of a file until the file is done.
         # The staged output is synced as a whole before its rename, not a file at a time.
         writer = FileSystemWriter(directory, single_file_per_rank=False, thread_count=1, sync_files=False)

@@ -102,9 +102,9 @@ def _locked(directory):
 
 
 def replace(staging, path, *, ours, overwrite, hint):
-    """Moves the complete `staging` directory to `path`: its files and directories are synced, then under
-    the parent's lock `path` is checked again as `check_target` checked it before the writing
-    (what appeared there meanwhile is kept: FileExistsError), a previous `path` is moved to
+    """Moves the complete `staging` directory to `path`: its files and directories are synced,
+    then under the parent's lock `path` is checked again as `check_target` checked it before the
+    writing (what appeared there meanwhile is kept: FileExistsError), a previous `path` is moved to
     `<path>.old`, `staging` renamed to `path`, the parent synced, and `<path>.old` deleted. A
     `<path>.old` left by an interrupted replace is removed first when `ours` recognises it."""
     _sync_tree(staging)
